@@ -1,0 +1,142 @@
+import { randomUUID } from 'node:crypto'
+import { LRUCache } from 'lru-cache'
+import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+
+export interface MemoryStorageOptions {
+  /** Most stored responses kept; the least recently used goes first. Default 100 000. */
+  maxEntries?: number
+  /** Most bytes of stored responses kept (bodies, headers, keys). Default 64 MiB. */
+  maxBytes?: number
+  /** Clock in epoch milliseconds; tests inject one. Default `Date.now`. */
+  now?: () => number
+}
+
+interface Lease {
+  token: string
+  fingerprint: string
+  expiresAt: number
+}
+
+interface Entry {
+  fingerprint: string
+  response: StoredResponse
+  expiresAt: number
+}
+
+/** Rough per-entry bookkeeping cost, so thousands of empty bodies still count against `maxBytes`. */
+const ENTRY_OVERHEAD_BYTES = 256
+/** Sweep expired entries after this many writes, so they do not wait for LRU pressure. */
+const SWEEP_EVERY_WRITES = 1024
+
+function entrySize (key: string, entry: Entry): number {
+  let size = ENTRY_OVERHEAD_BYTES + key.length + entry.fingerprint.length + entry.response.body.length
+  for (const name in entry.response.headers) {
+    const value = entry.response.headers[name]!
+    size += name.length + (Array.isArray(value) ? value.join('').length : value.length)
+  }
+  return size
+}
+
+/**
+ * The embedded default store: one process, bounded, no timers.
+ *
+ * Leases live apart from stored responses: a response may be evicted under memory pressure (the
+ * next request then simply runs again), but evicting a lease would let two requests run at once.
+ * Leases are bounded by the number of requests in flight, and each one ends with its request.
+ */
+export class MemoryStorage implements IdempotencyStorage {
+  readonly #leases = new Map<string, Lease>()
+  readonly #entries: LRUCache<string, Entry>
+  readonly #now: () => number
+  #writes = 0
+
+  constructor (options: MemoryStorageOptions = {}) {
+    const maxEntries = options.maxEntries ?? 100_000
+    const maxBytes = options.maxBytes ?? 64 * 1024 * 1024
+    if (!Number.isInteger(maxEntries) || maxEntries < 1) throw new TypeError('MemoryStorage: maxEntries must be a positive integer')
+    if (!Number.isInteger(maxBytes) || maxBytes < 1) throw new TypeError('MemoryStorage: maxBytes must be a positive integer')
+    this.#now = options.now ?? Date.now
+    const now = this.#now
+    this.#entries = new LRUCache<string, Entry>({
+      max: maxEntries,
+      maxSize: maxBytes,
+      sizeCalculation: (entry, key) => entrySize(key, entry),
+      // lru-cache keeps its own TTL clock; give it ours so injected clocks drive eviction too.
+      perf: { now },
+      ttlResolution: 0,
+      ttlAutopurge: false
+    })
+  }
+
+  /** Stored responses currently held (expired ones may linger until swept or touched). */
+  get size (): number {
+    return this.#entries.size
+  }
+
+  /** Bytes currently counted against `maxBytes`. */
+  get calculatedSize (): number {
+    return this.#entries.calculatedSize
+  }
+
+  /** Leases currently held. */
+  get leases (): number {
+    return this.#leases.size
+  }
+
+  async begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult> {
+    const now = this.#now()
+    const entry = this.#entries.get(key)
+    if (entry !== undefined) {
+      if (entry.expiresAt > now) return { state: 'completed', fingerprint: entry.fingerprint, response: entry.response }
+      this.#entries.delete(key)
+    }
+    const lease = this.#leases.get(key)
+    if (lease !== undefined && lease.expiresAt > now) {
+      return { state: 'in-flight', fingerprint: lease.fingerprint, lockExpiresAt: lease.expiresAt }
+    }
+    const token = randomUUID()
+    this.#leases.set(key, { token, fingerprint, expiresAt: now + lockTimeout })
+    return { state: 'acquired', token }
+  }
+
+  async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
+    const lease = this.#heldLease(key, token)
+    if (lease === undefined) return false
+    this.#leases.delete(key)
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response, expiresAt: this.#now() + expiration }, { ttl: expiration })
+    if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
+    return true
+  }
+
+  async release (key: string, token: string): Promise<boolean> {
+    if (this.#heldLease(key, token) === undefined) return false
+    this.#leases.delete(key)
+    return true
+  }
+
+  async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
+    const lease = this.#heldLease(key, token)
+    if (lease === undefined) return false
+    lease.expiresAt = this.#now() + lockTimeout
+    return true
+  }
+
+  async close (): Promise<void> {
+    this.#leases.clear()
+    this.#entries.clear()
+  }
+
+  #heldLease (key: string, token: string): Lease | undefined {
+    const lease = this.#leases.get(key)
+    if (lease === undefined || lease.token !== token || lease.expiresAt <= this.#now()) return undefined
+    return lease
+  }
+
+  #sweep (): void {
+    this.#entries.purgeStale()
+    const now = this.#now()
+    for (const [key, lease] of this.#leases) {
+      if (lease.expiresAt <= now) this.#leases.delete(key)
+    }
+  }
+}

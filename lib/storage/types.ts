@@ -1,0 +1,70 @@
+/**
+ * The storage contract every provider implements (the seed's `IIdempotencyStorage`).
+ *
+ * A provider knows nothing about HTTP or fingerprints beyond storing them: the plugin decides
+ * replay, refusal or execution from what `begin` returns. What a provider must guarantee is
+ * atomicity: `begin` is one indivisible step (no read-then-write gap), and `complete` / `release`
+ * take effect only while the caller's fencing token still holds the lease.
+ */
+
+/** A response as it is stored and replayed. */
+export interface StoredResponse {
+  /** HTTP status code of the original response. */
+  statusCode: number
+  /** `Content-Type` of the original response, or `null` when it had none. */
+  contentType: string | null
+  /** Replayable response headers, lower-case names, without `content-type` (kept above). */
+  headers: Record<string, string | string[]>
+  /** The serialized body, byte for byte. */
+  body: Buffer
+}
+
+/** The key was free (or its previous lease or entry had lapsed): the caller now holds the lease. */
+export interface BeginAcquired {
+  state: 'acquired'
+  /** Fencing token: `complete`, `release` and `renew` only act while this token holds the lease. */
+  token: string
+}
+
+/** Another request holds the lease for this key. */
+export interface BeginInFlight {
+  state: 'in-flight'
+  /** Fingerprint of the request that holds the lease. */
+  fingerprint: string
+  /** When the lease lapses unless renewed, in epoch milliseconds. */
+  lockExpiresAt: number
+}
+
+/** A live stored response exists for this key. */
+export interface BeginCompleted {
+  state: 'completed'
+  /** Fingerprint of the request whose response was stored. */
+  fingerprint: string
+  response: StoredResponse
+}
+
+export type BeginResult = BeginAcquired | BeginInFlight | BeginCompleted
+
+export interface IdempotencyStorage {
+  /**
+   * One atomic step: return the live stored response, or report the key in flight, or take the
+   * lease for `lockTimeout` ms (recording `fingerprint` with it) and return a new fencing token.
+   * An expired entry or a lapsed lease counts as free.
+   */
+  begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult>
+
+  /**
+   * Store `response` for `expiration` ms and drop the lease, only if `token` still holds it.
+   * Resolves `false` (and changes nothing) when the lease was lost.
+   */
+  complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean>
+
+  /** Drop the lease without storing anything, only if `token` still holds it. */
+  release (key: string, token: string): Promise<boolean>
+
+  /** Extend the lease to `lockTimeout` ms from now, only if `token` still holds it. */
+  renew (key: string, token: string, lockTimeout: number): Promise<boolean>
+
+  /** Free what the provider created itself. Never closes a client it was given. */
+  close? (): Promise<void>
+}

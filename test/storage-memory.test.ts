@@ -1,0 +1,5 @@
+import { describe, it, beforeEach, afterAll, expect } from 'vitest'
+import { storageConformance } from '../lib/storage/conformance.js'
+import { MemoryStorage } from '../lib/storage/memory.js'
+
+storageConformance('memory', () => new MemoryStorage(), { describe, it, beforeEach, afterAll })
