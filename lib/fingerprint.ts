@@ -1,0 +1,175 @@
+/**
+ * The request fingerprint: SHA-256 over an unambiguous encoding of the parts that
+ * `FingerprintOptions` selects.
+ *
+ * Unambiguous: every part is written as a type letter, its byte length and its bytes, so no two
+ * different requests can produce the same byte stream. Versioned: the stream starts with a tag
+ * naming the encoding version and the enabled option set, so two routes (or two deployments)
+ * fingerprinting differently never produce equal fingerprints for the same request.
+ */
+import { createHash, type Hash } from 'node:crypto'
+import canonicalizeModule from 'canonicalize'
+import type { FastifyRequest } from 'fastify'
+
+/** Which parts of a request make up its fingerprint. Plain data, validated at register time. */
+export interface FingerprintOptions {
+  /**
+   * The request body (default `true`). JSON bodies are canonicalized (RFC 8785: key order and
+   * white space do not matter); other bodies count by their bytes. An object selects JSON members
+   * by JSON Pointer (RFC 6901): `include` fingerprints only those, `exclude` all but those.
+   */
+  body?: boolean | { include?: string[], exclude?: string[] }
+  /** The HTTP method (default `false`). */
+  method?: boolean
+  /** The request path, without the query string (default `false`). */
+  path?: boolean
+  /** The query string, as parameters sorted by name (default `false`). */
+  query?: boolean
+  /** The `Content-Type` header, lower-cased (default `false`). */
+  contentType?: boolean
+  /** Request headers to include, by name, case-insensitive (default none). */
+  headers?: string[]
+}
+
+/** FingerprintOptions normalized once, at register or route time. */
+export interface FingerprintSettings {
+  body: boolean
+  include: string[][] | null
+  exclude: string[][] | null
+  method: boolean
+  path: boolean
+  query: boolean
+  contentType: boolean
+  headers: string[]
+  /** Version and option set, hashed first. */
+  tag: string
+}
+
+// A CommonJS module typed with `export default`: under Node its default import is the function.
+const canonicalize = canonicalizeModule as unknown as (input: unknown) => string | undefined
+
+const VERSION = 'fastify-idempotency/fingerprint/v1'
+
+/** RFC 6901: '/a~1b/c~0d' -> ['a/b', 'c~d']. Pointers are checked by the options schema. */
+function parsePointer (pointer: string): string[] {
+  return pointer.split('/').slice(1).map((token) => token.replaceAll('~1', '/').replaceAll('~0', '~'))
+}
+
+export function normalizeFingerprint (options: FingerprintOptions = {}): FingerprintSettings {
+  const bodyOption = options.body ?? true
+  const include = typeof bodyOption === 'object' && bodyOption.include !== undefined ? [...bodyOption.include].sort() : null
+  const exclude = typeof bodyOption === 'object' && bodyOption.exclude !== undefined ? [...bodyOption.exclude].sort() : null
+  const headers = [...new Set((options.headers ?? []).map((name) => name.toLowerCase()))].sort()
+  const settings = {
+    body: bodyOption !== false,
+    include: include?.map(parsePointer) ?? null,
+    exclude: exclude?.map(parsePointer) ?? null,
+    method: options.method ?? false,
+    path: options.path ?? false,
+    query: options.query ?? false,
+    contentType: options.contentType ?? false,
+    headers
+  }
+  const tag = JSON.stringify([VERSION, settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, headers])
+  return { ...settings, tag }
+}
+
+function writePart (hash: Hash, type: string, data: string | Buffer): void {
+  hash.update(`${type}${Buffer.byteLength(data)}:`)
+  hash.update(data)
+}
+
+/** The value at a pointer, or `undefined` when the path does not exist. */
+function valueAt (document: unknown, tokens: string[]): unknown {
+  let node = document
+  for (const token of tokens) {
+    if (node === null || typeof node !== 'object' || !Object.hasOwn(node, token)) return undefined
+    node = (node as Record<string, unknown>)[token]
+  }
+  return node
+}
+
+/** A copy of `document` without the member at `tokens`, copying only the objects on the path. */
+function without (document: unknown, tokens: string[]): unknown {
+  if (tokens.length === 0) return undefined
+  if (document === null || typeof document !== 'object') return document
+  const [head, ...rest] = tokens as [string, ...string[]]
+  if (!Object.hasOwn(document, head)) return document
+  if (Array.isArray(document)) {
+    const copy = [...document]
+    // An excluded element becomes null rather than disappearing, so its siblings keep their indexes.
+    if (rest.length === 0) copy[Number(head)] = null
+    else copy[Number(head)] = without(copy[Number(head)], rest)
+    return copy
+  }
+  const copy: Record<string, unknown> = { ...(document as Record<string, unknown>) }
+  if (rest.length === 0) delete copy[head]
+  else copy[head] = without(copy[head], rest)
+  return copy
+}
+
+function selectMembers (body: unknown, settings: FingerprintSettings): unknown {
+  if (settings.include !== null) {
+    // Each selected pointer keeps its own slot, so a member moving between pointers changes the result.
+    return settings.include.map((tokens) => {
+      const value = valueAt(body, tokens)
+      return value === undefined ? [] : [value]
+    })
+  }
+  if (settings.exclude !== null) {
+    return settings.exclude.reduce<unknown>((document, tokens) => without(document, tokens), body)
+  }
+  return body
+}
+
+function writeBody (hash: Hash, body: unknown, settings: FingerprintSettings): void {
+  if (body === undefined || body === null) {
+    hash.update('n')
+  } else if (Buffer.isBuffer(body) || typeof body === 'string') {
+    writePart(hash, 'r', body)
+  } else {
+    writePart(hash, 'j', canonicalize(selectMembers(body, settings)) ?? '')
+  }
+}
+
+function writeQuery (hash: Hash, url: string): void {
+  const mark = url.indexOf('?')
+  if (mark === -1 || mark === url.length - 1) {
+    hash.update('q0:')
+    return
+  }
+  // Parameters sorted by name (a stable sort keeps the order of a repeated name's values, which
+  // can carry meaning); names and values compared decoded, so %41 and A are the same.
+  const pairs = [...new URLSearchParams(url.slice(mark + 1))].sort((a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0))
+  hash.update(`q${pairs.length}:`)
+  for (const [name, value] of pairs) {
+    writePart(hash, 'k', name)
+    writePart(hash, 'v', value)
+  }
+}
+
+function writeHeader (hash: Hash, value: string | string[] | undefined): void {
+  if (value === undefined) {
+    hash.update('a')
+  } else if (typeof value === 'string') {
+    writePart(hash, 'h', value)
+  } else {
+    hash.update(`l${value.length}:`)
+    for (const item of value) writePart(hash, 'h', item)
+  }
+}
+
+export function computeFingerprint (request: FastifyRequest, settings: FingerprintSettings): string {
+  const hash = createHash('sha256')
+  writePart(hash, 't', settings.tag)
+  if (settings.method) writePart(hash, 'm', request.method)
+  if (settings.path) {
+    const mark = request.url.indexOf('?')
+    writePart(hash, 'p', mark === -1 ? request.url : request.url.slice(0, mark))
+  }
+  if (settings.query) writeQuery(hash, request.url)
+  if (settings.contentType) writePart(hash, 'c', (request.headers['content-type'] ?? '').trim().toLowerCase())
+  for (const name of settings.headers) writeHeader(hash, request.headers[name])
+  if (settings.body) writeBody(hash, request.body, settings)
+  return hash.digest('base64url')
+}

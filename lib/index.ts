@@ -1,0 +1,76 @@
+/**
+ * fastify-idempotency: the plugin. Options are normalized once here; `onRoute` gives each route
+ * that sets `config.idempotency` its own hooks, and routes without it carry none.
+ */
+import type { FastifyPluginAsync, RouteOptions } from 'fastify'
+import fp from 'fastify-plugin'
+import { createRouteHooks, kState } from './lifecycle.js'
+import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
+
+declare module 'fastify' {
+  interface FastifyContextConfig {
+    /** Guard this route: `true` with the plugin's options, or per-route overrides. */
+    idempotency?: boolean | IdempotencyRouteOptions
+  }
+}
+
+/** A route's hook option (absent, one function or an array) with ours added last. */
+function appendHook<T> (existing: T | T[] | undefined, hook: T): T[] {
+  if (existing === undefined) return [hook]
+  return Array.isArray(existing) ? [...existing, hook] : [existing, hook]
+}
+
+const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) => {
+  const base = normalizeOptions(options)
+  const headerLabel = options.headerName ?? 'Idempotency-Key'
+  fastify.decorateRequest(kState as unknown as string, null)
+
+  fastify.addHook('onRoute', (routeOptions) => {
+    const config = routeOptions.config?.idempotency
+    if (config === undefined) return
+    const method = Array.isArray(routeOptions.method) ? routeOptions.method.join(',') : routeOptions.method
+    const settings = routeSettings(base, config, `${method} ${routeOptions.url}`)
+    if (settings === null) return
+    const hooks = createRouteHooks(settings, headerLabel)
+    // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
+    // and a replay is never served to a request they would have refused.
+    routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest) as RouteOptions['onRequest']
+    routeOptions.preHandler = appendHook(routeOptions.preHandler, hooks.preHandler) as RouteOptions['preHandler']
+    routeOptions.onSend = appendHook(routeOptions.onSend, hooks.onSend) as RouteOptions['onSend']
+  })
+
+  // Close only a store the plugin created itself.
+  if (options.storage === undefined) {
+    fastify.addHook('onClose', async () => { await base.storage.close?.() })
+  }
+}
+
+/** The plugin, for `fastify.register(idempotency, options)`. */
+export const idempotency = fp(plugin, { fastify: '5.x', name: 'fastify-idempotency' })
+export default idempotency
+
+export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
+export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
+export type { FingerprintOptions } from './fingerprint.js'
+export {
+  IdempotencyError,
+  IdempotencyFingerprintMismatchError,
+  IdempotencyKeyInvalidError,
+  IdempotencyKeyMissingError,
+  IdempotencyRequestInProgressError,
+  IdempotencyStoreUnavailableError,
+  isIdempotencyError,
+  PROBLEM_TYPE_BASE
+} from './errors.js'
+export { idempotencyErrorHandler, toProblem } from './error-handler.js'
+export type { ErrorHandler, IdempotencyErrorHandlerOptions, IdempotencyProblem } from './error-handler.js'
+export { MemoryStorage } from './storage/memory.js'
+export type { MemoryStorageOptions } from './storage/memory.js'
+export type {
+  BeginAcquired,
+  BeginCompleted,
+  BeginInFlight,
+  BeginResult,
+  IdempotencyStorage,
+  StoredResponse
+} from './storage/types.js'

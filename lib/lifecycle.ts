@@ -1,0 +1,182 @@
+/**
+ * The request lifecycle of a guarded route, top to bottom:
+ *
+ *   onRequest   read and validate the key (400 before anything else happens)
+ *   preHandler  fingerprint, then one atomic `begin`: replay, refuse, or take the lease and run
+ *   onSend      capture the response and `complete` (store + drop the lease), or `release`
+ *   'close'     a hijacked reply, which never reaches onSend, releases there
+ *
+ * Hooks are created per route from that route's settings, so nothing here looks options up.
+ */
+import type { FastifyReply, FastifyRequest, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
+import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
+import {
+  IdempotencyFingerprintMismatchError,
+  IdempotencyKeyMissingError,
+  IdempotencyRequestInProgressError,
+  IdempotencyStoreUnavailableError
+} from './errors.js'
+import { computeFingerprint } from './fingerprint.js'
+import { readIdempotencyKey } from './key.js'
+import type { RouteSettings } from './options.js'
+import type { StoredResponse } from './storage/types.js'
+
+/** Where the per-request state lives (a request decoration, so request objects keep one shape). */
+export const kState = Symbol('fastify-idempotency.state')
+
+type Phase =
+  /** Key read; the store not asked yet, or it refused us (replay, mismatch, in progress). */
+  | 'idle'
+  /** This request holds the lease and its handler is running. */
+  | 'held'
+  /** Storing or releasing has begun; nothing else may. */
+  | 'settling'
+  /** A stored response is being replayed. */
+  | 'replayed'
+
+interface RequestState {
+  key: string
+  phase: Phase
+  storageKey: string
+  token: string
+  renewal: NodeJS.Timeout | null
+  /** The replayed response had no Content-Type; Fastify adds one to Buffers, so it is taken off again. */
+  replayWithoutType: boolean
+}
+
+type StatefulRequest = FastifyRequest & { [kState]: RequestState | null }
+
+export interface RouteHooks {
+  onRequest: onRequestHookHandler
+  preHandler: preHandlerAsyncHookHandler
+  onSend: onSendHookHandler
+}
+
+export function createRouteHooks (settings: RouteSettings, headerLabel: string): RouteHooks {
+  const { storage } = settings
+
+  function onRequest (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
+    let key
+    try {
+      key = readIdempotencyKey(request.headers[settings.headerName], headerLabel, settings.maxKeyLength)
+    } catch (error) {
+      done(error as Error)
+      return
+    }
+    if (key === undefined) {
+      done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
+      return
+    }
+    (request as StatefulRequest)[kState] = { key, phase: 'idle', storageKey: '', token: '', renewal: null, replayWithoutType: false }
+    done()
+  }
+
+  async function scopedKey (request: FastifyRequest, key: string): Promise<string> {
+    if (settings.scope === null) return key
+    const scope = await settings.scope(request)
+    if (typeof scope !== 'string') throw new TypeError('fastify-idempotency: scope(request) must return a string')
+    // Keys never contain a line feed (they are printable ASCII), so the last one separates the two.
+    return `${scope}\n${key}`
+  }
+
+  async function preHandler (request: FastifyRequest, reply: FastifyReply): Promise<void> {
+    const state = (request as StatefulRequest)[kState]
+    if (state === null) return
+    const fingerprint = computeFingerprint(request, settings.fingerprint)
+    const storageKey = await scopedKey(request, state.key)
+    let result
+    try {
+      result = await storage.begin(storageKey, fingerprint, settings.lockTimeout)
+    } catch (error) {
+      if (!settings.failOpen) throw new IdempotencyStoreUnavailableError(state.key, error)
+      request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency store unavailable: running the handler without protection (failOpen)')
+      ;(request as StatefulRequest)[kState] = null
+      return
+    }
+    if (result.state === 'acquired') {
+      state.phase = 'held'
+      state.storageKey = storageKey
+      state.token = result.token
+      holdLease(request, reply, state)
+      return
+    }
+    // A different request under this key is refused whether the first one finished or not.
+    if (result.fingerprint !== fingerprint) throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
+    if (result.state === 'in-flight') throw new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - Date.now()) / 1000)
+    replay(reply, state, result.response)
+  }
+
+  function replay (reply: FastifyReply, state: RequestState, response: StoredResponse): void {
+    state.phase = 'replayed'
+    reply.code(response.statusCode)
+    for (const name in response.headers) reply.header(name, response.headers[name])
+    if (response.contentType === null) state.replayWithoutType = true
+    else reply.header('content-type', response.contentType)
+    if (settings.replayHeader !== null) reply.header(settings.replayHeader, 'true')
+    reply.send(response.body)
+  }
+
+  /** Keep the lease alive while the handler runs, and let a hijacked reply give it back. */
+  function holdLease (request: FastifyRequest, reply: FastifyReply, state: RequestState): void {
+    const renewEvery = Math.max(1, Math.floor(settings.lockTimeout / 3))
+    state.renewal = setInterval(() => {
+      storage.renew(state.storageKey, state.token, settings.lockTimeout).then((held) => {
+        if (!held && state.phase === 'held') request.log.warn({ idempotencyKey: state.key }, 'idempotency lease lost while the handler was running')
+      }, (error: unknown) => {
+        request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency lease renewal failed')
+      })
+    }, renewEvery)
+    state.renewal.unref()
+    reply.raw.once('close', () => {
+      if (state.phase !== 'held') return
+      // Hijacked (or ended by hand): onSend will never run, so nothing can be stored. A client
+      // that merely went away is different: the handler still runs, and onSend settles the lease
+      // with its outcome, so a retry replays what was done instead of doing it again.
+      if (reply.sent) void settle(request, state, null)
+    })
+  }
+
+  /** Store the response (or, with `null`, drop the lease). Never throws: the client gets its response regardless. */
+  async function settle (request: FastifyRequest, state: RequestState, response: StoredResponse | null): Promise<void> {
+    state.phase = 'settling'
+    if (state.renewal !== null) clearInterval(state.renewal)
+    try {
+      if (response === null) {
+        await storage.release(state.storageKey, state.token)
+      } else if (!await storage.complete(state.storageKey, state.token, response, settings.expiration)) {
+        request.log.warn({ idempotencyKey: state.key }, 'idempotency lease was lost before the response was stored: this response was not stored')
+      }
+    } catch (error) {
+      request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency store failed after the handler ran: the response was sent but not stored')
+    }
+  }
+
+  async function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown): Promise<unknown> {
+    const state = (request as StatefulRequest)[kState]
+    if (state === null) return payload
+    if (state.phase === 'replayed') {
+      if (state.replayWithoutType) reply.removeHeader('content-type')
+      return payload
+    }
+    if (state.phase !== 'held') return payload
+    if (!settings.cacheable.has(reply.statusCode)) {
+      await settle(request, state, null)
+      return payload
+    }
+    const bytes = payloadBytes(payload)
+    if (bytes !== null) {
+      await settle(request, state, bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, settings.excludedHeaders, bytes))
+      return payload
+    }
+    if (isNodeStream(payload)) {
+      state.phase = 'settling'
+      return captureStream(payload, settings.maxResponseBytes, (body) =>
+        settle(request, state, body === null ? null : snapshotResponse(reply, settings.excludedHeaders, body)))
+    }
+    // A web stream or a Response: sent as it is, not stored.
+    await settle(request, state, null)
+    return payload
+  }
+
+  return { onRequest, preHandler, onSend: onSend as onSendHookHandler }
+}

@@ -1,0 +1,245 @@
+/**
+ * Options and route config: their JSON Schema, and normalizing them once, at register time and
+ * at route time, so that a typo fails at start-up with a clear message, never at a request.
+ */
+import { parse as parseDuration } from '@lukeed/ms'
+import { Ajv, type ErrorObject } from 'ajv'
+import type { FastifyRequest } from 'fastify'
+import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
+import { MemoryStorage } from './storage/memory.js'
+import type { IdempotencyStorage } from './storage/types.js'
+
+/** What a route may set in `config.idempotency` (and what the plugin options set for every route). */
+export interface IdempotencyRouteOptions {
+  /** Refuse requests without a key with 400 (default `false`: they pass through unprotected). */
+  required?: boolean
+  /** How long a stored response is replayed: milliseconds or a duration string (default `'24h'`). */
+  expiration?: number | string
+  /** How long a request holds its key before a retry may take over (default `'60s'`). Renewed while the handler runs. */
+  lockTimeout?: number | string
+  /** Status codes to store besides 200, 201, 202 and 204. */
+  addCacheableStatusCodes?: number[]
+  /** Status codes not to store. */
+  removeCacheableStatusCodes?: number[]
+  /** Which parts of a request make up its fingerprint; a route's object is merged over the plugin's. */
+  fingerprint?: FingerprintOptions
+  /** Largest response body stored, in bytes (default 1 MiB); a larger one is sent but not stored. */
+  maxResponseBytes?: number
+  /** Status of a fingerprint mismatch: 409 (default, the seed's) or 422 (the IETF draft's). */
+  mismatchStatusCode?: 409 | 422
+  /** When the store is unreachable, run the handler without protection instead of answering 503 (default `false`). */
+  failOpen?: boolean
+  /** Namespace keys by principal (tenant, user, API key) so one never receives another's response. */
+  scope?: (request: FastifyRequest) => string | Promise<string>
+}
+
+export interface IdempotencyOptions extends IdempotencyRouteOptions {
+  /** Where responses and leases live (default: a new `MemoryStorage`). */
+  storage?: IdempotencyStorage
+  /** Request header carrying the key (default `'Idempotency-Key'`). */
+  headerName?: string
+  /** Longest key accepted, in characters (default 255). */
+  maxKeyLength?: number
+  /** Response header marking a replay, with the value `true` (default `'Idempotent-Replayed'`); `false` sends none. */
+  replayHeader?: string | false
+  /** Replay `Set-Cookie` headers too (default `false`: cookies are per response, not per operation). */
+  replaySetCookie?: boolean
+  /** More response headers never to store or replay (names, case-insensitive). */
+  excludeHeaders?: string[]
+}
+
+/** Everything a guarded route needs, normalized once. */
+export interface RouteSettings {
+  storage: IdempotencyStorage
+  headerName: string
+  maxKeyLength: number
+  required: boolean
+  expiration: number
+  lockTimeout: number
+  cacheable: ReadonlySet<number>
+  fingerprint: FingerprintSettings
+  /** The options `fingerprint` was built from, for a route's override to merge over. */
+  fingerprintOptions: FingerprintOptions
+  maxResponseBytes: number
+  mismatchStatusCode: 409 | 422
+  failOpen: boolean
+  scope: ((request: FastifyRequest) => string | Promise<string>) | null
+  replayHeader: string | null
+  excludedHeaders: ReadonlySet<string>
+}
+
+export const DEFAULT_CACHEABLE_STATUS_CODES: readonly number[] = [200, 201, 202, 204]
+
+/** Never stored or replayed: hop-by-hop headers, and those that describe one transmission. */
+const ALWAYS_EXCLUDED_HEADERS = [
+  'connection', 'keep-alive', 'proxy-authenticate', 'proxy-authorization', 'proxy-connection',
+  'te', 'trailer', 'transfer-encoding', 'upgrade', 'content-length', 'date', 'content-type'
+]
+
+const TOKEN = "^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+const duration = { type: ['integer', 'string'], minimum: 1 }
+const statusCodes = { type: 'array', items: { type: 'integer', minimum: 100, maximum: 599 } }
+const pointers = { type: 'array', items: { type: 'string', pattern: '^/' } }
+
+export const fingerprintSchema = {
+  type: 'object',
+  additionalProperties: false,
+  properties: {
+    body: {
+      anyOf: [
+        { type: 'boolean' },
+        {
+          type: 'object',
+          additionalProperties: false,
+          minProperties: 1,
+          maxProperties: 1,
+          properties: { include: { ...pointers, minItems: 1 }, exclude: { ...pointers, minItems: 1 } }
+        }
+      ]
+    },
+    method: { type: 'boolean' },
+    path: { type: 'boolean' },
+    query: { type: 'boolean' },
+    contentType: { type: 'boolean' },
+    headers: { type: 'array', items: { type: 'string', pattern: TOKEN } }
+  }
+} as const
+
+const routeProperties = {
+  required: { type: 'boolean' },
+  expiration: duration,
+  lockTimeout: duration,
+  addCacheableStatusCodes: statusCodes,
+  removeCacheableStatusCodes: statusCodes,
+  fingerprint: fingerprintSchema,
+  maxResponseBytes: { type: 'integer', minimum: 0 },
+  mismatchStatusCode: { enum: [409, 422] },
+  failOpen: { type: 'boolean' },
+  // Functions and objects are checked by hand below: JSON Schema cannot describe them.
+  scope: {}
+}
+
+/** JSON Schema of the plugin options. */
+export const optionsSchema = {
+  type: 'object',
+  additionalProperties: false,
+  properties: {
+    ...routeProperties,
+    storage: {},
+    headerName: { type: 'string', pattern: TOKEN },
+    maxKeyLength: { type: 'integer', minimum: 1, maximum: 8192 },
+    replayHeader: { anyOf: [{ const: false }, { type: 'string', pattern: TOKEN }] },
+    replaySetCookie: { type: 'boolean' },
+    excludeHeaders: { type: 'array', items: { type: 'string', pattern: TOKEN } }
+  }
+} as const
+
+/** JSON Schema of a route's `config.idempotency`. */
+export const routeConfigSchema = {
+  anyOf: [
+    { type: 'boolean' },
+    { type: 'object', additionalProperties: false, properties: routeProperties }
+  ]
+} as const
+
+const ajv = new Ajv({ allErrors: false, strict: true, allowUnionTypes: true })
+const validateOptions = ajv.compile(optionsSchema)
+const validateRouteConfig = ajv.compile(routeConfigSchema)
+
+function describeError (error: ErrorObject): string {
+  const where = error.instancePath === '' ? 'options' : error.instancePath.slice(1).replaceAll('/', '.')
+  if (error.keyword === 'additionalProperties') return `${where} has an unknown property '${String(error.params.additionalProperty)}'`
+  return `${where} ${error.message ?? 'is invalid'}`
+}
+
+function check (valid: boolean, errors: ErrorObject[] | null | undefined, context: string): void {
+  if (!valid) throw new TypeError(`fastify-idempotency: invalid ${context}: ${describeError(errors![0]!)}`)
+}
+
+function toMilliseconds (value: number | string, name: string, context: string): number {
+  const ms = typeof value === 'number' ? value : parseDuration(value)
+  if (ms === undefined || !Number.isFinite(ms) || ms < 1) {
+    throw new TypeError(`fastify-idempotency: invalid ${context}: ${name} must be a positive number of milliseconds or a duration such as '24h' (got ${JSON.stringify(value)})`)
+  }
+  return Math.round(ms)
+}
+
+function checkScope (scope: unknown, context: string): void {
+  if (scope !== undefined && typeof scope !== 'function') {
+    throw new TypeError(`fastify-idempotency: invalid ${context}: scope must be a function of the request`)
+  }
+}
+
+function checkStorage (storage: unknown): void {
+  const methods = ['begin', 'complete', 'release', 'renew'] as const
+  const missing = storage === null || typeof storage !== 'object'
+    ? methods
+    : methods.filter((name) => typeof (storage as Record<string, unknown>)[name] !== 'function')
+  if (missing.length > 0) {
+    throw new TypeError(`fastify-idempotency: invalid options: storage must implement IdempotencyStorage (missing ${missing.join(', ')})`)
+  }
+}
+
+function cacheableSet (base: Iterable<number>, add: number[] = [], remove: number[] = []): Set<number> {
+  const set = new Set(base)
+  for (const code of add) set.add(code)
+  for (const code of remove) set.delete(code)
+  return set
+}
+
+/** Normalize the plugin options once, at register time. Throws a TypeError naming the problem. */
+export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettings {
+  const context = 'options'
+  check(validateOptions(options), validateOptions.errors, context)
+  checkScope(options.scope, context)
+  if (options.storage !== undefined) checkStorage(options.storage)
+  const replayHeader = options.replayHeader ?? 'Idempotent-Replayed'
+  const excluded = new Set(ALWAYS_EXCLUDED_HEADERS)
+  if (options.replaySetCookie !== true) excluded.add('set-cookie')
+  if (replayHeader !== false) excluded.add(replayHeader.toLowerCase())
+  for (const name of options.excludeHeaders ?? []) excluded.add(name.toLowerCase())
+  return {
+    storage: options.storage ?? new MemoryStorage(),
+    headerName: (options.headerName ?? 'Idempotency-Key').toLowerCase(),
+    maxKeyLength: options.maxKeyLength ?? 255,
+    required: options.required ?? false,
+    expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),
+    lockTimeout: toMilliseconds(options.lockTimeout ?? '60s', 'lockTimeout', context),
+    cacheable: cacheableSet(DEFAULT_CACHEABLE_STATUS_CODES, options.addCacheableStatusCodes, options.removeCacheableStatusCodes),
+    fingerprint: normalizeFingerprint(options.fingerprint),
+    fingerprintOptions: options.fingerprint ?? {},
+    maxResponseBytes: options.maxResponseBytes ?? 1024 * 1024,
+    mismatchStatusCode: options.mismatchStatusCode ?? 409,
+    failOpen: options.failOpen ?? false,
+    scope: options.scope ?? null,
+    replayHeader: replayHeader === false ? null : replayHeader,
+    excludedHeaders: excluded
+  }
+}
+
+/**
+ * The settings of one route, from the plugin's and its `config.idempotency`; `null` when the
+ * route is not guarded. Throws a TypeError naming the route and the problem.
+ */
+export function routeSettings (base: RouteSettings, config: unknown, routeName: string): RouteSettings | null {
+  const context = `config.idempotency of route ${routeName}`
+  check(validateRouteConfig(config), validateRouteConfig.errors, context)
+  if (config === false) return null
+  if (config === true) return base
+  const route = config as IdempotencyRouteOptions
+  checkScope(route.scope, context)
+  const fingerprintOptions = { ...base.fingerprintOptions, ...route.fingerprint }
+  return {
+    ...base,
+    required: route.required ?? base.required,
+    expiration: route.expiration === undefined ? base.expiration : toMilliseconds(route.expiration, 'expiration', context),
+    lockTimeout: route.lockTimeout === undefined ? base.lockTimeout : toMilliseconds(route.lockTimeout, 'lockTimeout', context),
+    cacheable: cacheableSet(base.cacheable, route.addCacheableStatusCodes, route.removeCacheableStatusCodes),
+    fingerprint: route.fingerprint === undefined ? base.fingerprint : normalizeFingerprint(fingerprintOptions),
+    fingerprintOptions,
+    maxResponseBytes: route.maxResponseBytes ?? base.maxResponseBytes,
+    mismatchStatusCode: route.mismatchStatusCode ?? base.mismatchStatusCode,
+    failOpen: route.failOpen ?? base.failOpen,
+    scope: route.scope ?? base.scope
+  }
+}
