@@ -1,4 +1,4 @@
-import { describe, it, beforeEach, afterAll, expect } from 'vitest'
+import { describe, it, beforeEach, afterAll } from 'vitest'
 import { storageConformance } from '../lib/storage/conformance.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
 

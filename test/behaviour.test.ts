@@ -1,0 +1,395 @@
+/**
+ * What a user of the plugin notices, run against every store on its real server: the seed's
+ * rules and test rules, and the contract's decisions that concern the request lifecycle.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { Readable } from 'node:stream'
+import { setTimeout as sleep } from 'node:timers/promises'
+import { IdempotencyFingerprintMismatchError } from '../lib/index.js'
+import type { IdempotencyOptions } from '../lib/index.js'
+import type { IdempotencyStorage } from '../lib/storage/types.js'
+import { buildApp, newKey } from './helpers/app.js'
+import { storeCases } from './helpers/stores.js'
+
+const cases = await storeCases()
+
+for (const store of cases) {
+  describe.skipIf(!store.available)(`behaviour on ${store.name}${store.reason}`, () => {
+    let storage: IdempotencyStorage
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
+
+    const app = (options: IdempotencyOptions = {}, routes = {}, routeConfig: object | true = true) =>
+      buildApp({ storage, ...options }, routes, routeConfig)
+    const post = (target: Awaited<ReturnType<typeof app>>, key: string | undefined, payload: unknown, extra: { url?: string, method?: string, headers?: Record<string, string> } = {}) =>
+      target.app.inject({
+        method: (extra.method ?? 'POST') as 'POST',
+        url: extra.url ?? '/orders',
+        headers: { ...(key === undefined ? {} : { 'idempotency-key': key }), ...extra.headers },
+        payload: payload as string
+      })
+
+    it('runs the first request and returns the application\'s response unchanged', async () => {
+      const t = await app()
+      const res = await post(t, newKey(), { amount: 10 })
+      expect(res.statusCode).toBe(201)
+      expect(res.headers.location).toBe('/orders/1')
+      expect(res.headers['idempotent-replayed']).toBeUndefined()
+      expect(res.json()).toEqual({ id: 1, received: { amount: 10 } })
+      expect(t.runs.get('/orders')).toBe(1)
+    })
+
+    it('replays a repeat byte for byte (status, body, content type, headers) without running the handler', async () => {
+      const t = await app()
+      const key = newKey()
+      const first = await post(t, key, { amount: 10 })
+      const again = await post(t, key, { amount: 10 })
+      expect(again.statusCode).toBe(first.statusCode)
+      expect(again.rawPayload.equals(first.rawPayload)).toBe(true)
+      expect(again.headers['content-type']).toBe(first.headers['content-type'])
+      expect(again.headers.location).toBe('/orders/1')
+      expect(again.headers['x-run']).toBe('1')
+      expect(again.headers['content-length']).toBe(first.headers['content-length'])
+      expect(again.headers['idempotent-replayed']).toBe('true')
+      expect(t.runs.get('/orders')).toBe(1)
+    })
+
+    it('refuses a repeat with another body with 409 problem+json, without running the handler', async () => {
+      const t = await app()
+      const key = newKey()
+      await post(t, key, { amount: 10 })
+      const res = await post(t, key, { amount: 99 })
+      expect(res.statusCode).toBe(409)
+      expect(res.headers['content-type']).toMatch(/^application\/problem\+json/)
+      expect(res.json()).toEqual({
+        type: IdempotencyFingerprintMismatchError.type,
+        title: 'Idempotency fingerprint mismatch',
+        status: 409,
+        detail: expect.any(String),
+        idempotencyKey: key
+      })
+      expect(t.runs.get('/orders')).toBe(1)
+    })
+
+    it('leaves the stored entry replayable after a mismatch, even when 409 is cacheable', async () => {
+      const t = await app({ addCacheableStatusCodes: [409] })
+      const key = newKey()
+      const first = await post(t, key, { amount: 10 })
+      expect((await post(t, key, { amount: 99 })).statusCode).toBe(409)
+      const again = await post(t, key, { amount: 10 })
+      expect(again.statusCode).toBe(201)
+      expect(again.body).toBe(first.body)
+      expect(t.runs.get('/orders')).toBe(1)
+    })
+
+    it('answers a mismatch with 422 when mismatchStatusCode says so', async () => {
+      const t = await app({ mismatchStatusCode: 422 })
+      const key = newKey()
+      await post(t, key, { amount: 10 })
+      const res = await post(t, key, { amount: 11 })
+      expect(res.statusCode).toBe(422)
+      expect(res.json().status).toBe(422)
+    })
+
+    it('ignores JSON member order and white space', async () => {
+      const t = await app()
+      const key = newKey()
+      await post(t, key, '{"a":1,"b":{"y":[1,2],"x":"z"}}', { headers: { 'content-type': 'application/json' } })
+      const again = await post(t, key, ' { "b" : { "x" : "z", "y" : [ 1 , 2 ] } ,\n "a" : 1.0 } ', { headers: { 'content-type': 'application/json' } })
+      expect(again.statusCode).toBe(201)
+      expect(again.headers['idempotent-replayed']).toBe('true')
+      expect(t.runs.get('/orders')).toBe(1)
+    })
+
+    const components: Array<{ name: string, option: IdempotencyOptions['fingerprint'], first: Parameters<typeof post>[3], second: Parameters<typeof post>[3] }> = [
+      { name: 'method', option: { method: true }, first: { url: '/any', method: 'POST' }, second: { url: '/any', method: 'PUT' } },
+      { name: 'path', option: { path: true }, first: { url: '/any' }, second: { url: '/other' } },
+      { name: 'query', option: { query: true }, first: { url: '/any?a=1&b=2' }, second: { url: '/any?a=1&b=3' } },
+      { name: 'contentType', option: { contentType: true }, first: { url: '/any', headers: { 'content-type': 'application/json' } }, second: { url: '/any', headers: { 'content-type': 'application/json; charset=utf-8' } } },
+      { name: 'headers', option: { headers: ['X-Tenant'] }, first: { url: '/any', headers: { 'x-tenant': 'a' } }, second: { url: '/any', headers: { 'x-tenant': 'b' } } }
+    ]
+    for (const component of components) {
+      it(`refuses a change of ${component.name} when it is part of the fingerprint, and replays it when it is not`, async () => {
+        const routes = { '/any': () => ({ ok: true }), '/other': () => ({ ok: true }) }
+        const strict = await app({ fingerprint: component.option }, routes)
+        const key = newKey()
+        expect((await post(strict, key, { a: 1 }, component.first)).statusCode).toBe(200)
+        expect((await post(strict, key, { a: 1 }, component.first)).headers['idempotent-replayed']).toBe('true')
+        expect((await post(strict, key, { a: 1 }, component.second)).statusCode).toBe(409)
+
+        const lax = await app({}, routes)
+        const other = newKey()
+        expect((await post(lax, other, { a: 1 }, component.first)).statusCode).toBe(200)
+        const replay = await post(lax, other, { a: 1 }, component.second)
+        expect(replay.statusCode).toBe(200)
+        expect(replay.headers['idempotent-replayed']).toBe('true')
+      })
+    }
+
+    it('sorts query parameters: the same parameters in another order replay', async () => {
+      const t = await app({ fingerprint: { query: true } }, { '/any': () => ({ ok: true }) })
+      const key = newKey()
+      await post(t, key, {}, { url: '/any?b=2&a=1' })
+      expect((await post(t, key, {}, { url: '/any?a=1&b=2' })).headers['idempotent-replayed']).toBe('true')
+      expect((await post(t, key, {}, { url: '/any?a=%31&b=2' })).headers['idempotent-replayed']).toBe('true')
+    })
+
+    it('refuses a key reused by an app with other FingerprintOptions on the same store', async () => {
+      const bodyOnly = await app()
+      const withMethod = await app({ fingerprint: { method: true } })
+      const key = newKey()
+      expect((await post(bodyOnly, key, { a: 1 })).statusCode).toBe(201)
+      const res = await post(withMethod, key, { a: 1 })
+      expect(res.statusCode).toBe(409)
+      expect(withMethod.runs.get('/orders')).toBeUndefined()
+    })
+
+    it('fingerprints only the JSON members a route includes, or all but those it excludes', async () => {
+      const include = await app({ fingerprint: { body: { include: ['/amount'] } } })
+      const key = newKey()
+      await post(include, key, { amount: 5, note: 'a' })
+      expect((await post(include, key, { amount: 5, note: 'b' })).headers['idempotent-replayed']).toBe('true')
+      expect((await post(include, key, { amount: 6, note: 'a' })).statusCode).toBe(409)
+
+      const exclude = await app({ fingerprint: { body: { exclude: ['/sentAt'] } } })
+      const other = newKey()
+      await post(exclude, other, { amount: 5, sentAt: 1 })
+      expect((await post(exclude, other, { amount: 5, sentAt: 2 })).headers['idempotent-replayed']).toBe('true')
+      expect((await post(exclude, other, { amount: 6, sentAt: 1 })).statusCode).toBe(409)
+    })
+
+    for (const status of [400, 500]) {
+      it(`does not store a ${status} response: a retry runs the handler`, async () => {
+        const t = await app({}, { '/flaky': (_req: unknown, reply: { code: (n: number) => void }, run: number) => { reply.code(run === 1 ? status : 201); return { run } } })
+        const key = newKey()
+        expect((await post(t, key, {}, { url: '/flaky' })).statusCode).toBe(status)
+        const retry = await post(t, key, {}, { url: '/flaky' })
+        expect(retry.statusCode).toBe(201)
+        expect(retry.headers['idempotent-replayed']).toBeUndefined()
+        expect((await post(t, key, {}, { url: '/flaky' })).headers['idempotent-replayed']).toBe('true')
+        expect(t.runs.get('/flaky')).toBe(2)
+      })
+    }
+
+    it('does not store a thrown error: a retry runs the handler', async () => {
+      const t = await app({}, { '/throws': (_req: unknown, _reply: unknown, run: number) => { if (run === 1) throw new Error('boom'); return { run } } })
+      const key = newKey()
+      expect((await post(t, key, {}, { url: '/throws' })).statusCode).toBe(500)
+      const retry = await post(t, key, {}, { url: '/throws' })
+      expect(retry.statusCode).toBe(200)
+      expect(retry.json()).toEqual({ run: 2 })
+    })
+
+    it('stores an added cacheable status, and not a removed one', async () => {
+      const routes = { '/status': (_req: unknown, reply: { code: (n: number) => void }, run: number) => { reply.code(run === 1 ? 400 : 201); return { run } } }
+      const added = await app({ addCacheableStatusCodes: [400] }, routes)
+      const key = newKey()
+      expect((await post(added, key, {}, { url: '/status' })).statusCode).toBe(400)
+      const replay = await post(added, key, {}, { url: '/status' })
+      expect(replay.statusCode).toBe(400)
+      expect(replay.headers['idempotent-replayed']).toBe('true')
+
+      const removed = await app({ removeCacheableStatusCodes: [201] })
+      const other = newKey()
+      await post(removed, other, {})
+      expect((await post(removed, other, {})).headers['idempotent-replayed']).toBeUndefined()
+      expect(removed.runs.get('/orders')).toBe(2)
+    })
+
+    it('runs the handler again after expiration and stores its new response', async () => {
+      const t = await app({ expiration: 150 })
+      const key = newKey()
+      const first = await post(t, key, { a: 1 })
+      expect((await post(t, key, { a: 1 })).headers['idempotent-replayed']).toBe('true')
+      await sleep(400)
+      const after = await post(t, key, { a: 2 })
+      expect(after.statusCode).toBe(201)
+      expect(after.headers['idempotent-replayed']).toBeUndefined()
+      expect(after.json().id).toBe(2)
+      expect(after.body).not.toBe(first.body)
+      const replay = await post(t, key, { a: 2 })
+      expect(replay.headers['idempotent-replayed']).toBe('true')
+      expect(replay.body).toBe(after.body)
+    })
+
+    it('answers a duplicate of an in-flight request with 409 request-in-progress and Retry-After; a different body with the mismatch', async () => {
+      let open!: () => void
+      const gate = new Promise<void>((resolve) => { open = resolve })
+      let started!: () => void
+      const running = new Promise<void>((resolve) => { started = resolve })
+      const t = await app({ lockTimeout: '30s' }, { '/slow': async () => { started(); await gate; return { done: true } } })
+      const key = newKey()
+      const first = post(t, key, { a: 1 }, { url: '/slow' })
+      await running
+      const duplicate = await post(t, key, { a: 1 }, { url: '/slow' })
+      expect(duplicate.statusCode).toBe(409)
+      expect(duplicate.json().type).toMatch(/#request-in-progress$/)
+      expect(duplicate.json().idempotencyKey).toBe(key)
+      expect(Number(duplicate.headers['retry-after'])).toBeGreaterThanOrEqual(1)
+      expect(Number(duplicate.headers['retry-after'])).toBeLessThanOrEqual(30)
+      const different = await post(t, key, { a: 2 }, { url: '/slow' })
+      expect(different.json().type).toMatch(/#fingerprint-mismatch$/)
+      open()
+      expect((await first).statusCode).toBe(200)
+      expect((await post(t, key, { a: 1 }, { url: '/slow' })).headers['idempotent-replayed']).toBe('true')
+      expect(t.runs.get('/slow')).toBe(1)
+    })
+
+    it('runs the handler once for 20 simultaneous requests with one key', async () => {
+      let open!: () => void
+      const gate = new Promise<void>((resolve) => { open = resolve })
+      const t = await app({}, { '/gated': async () => { await gate; return { done: true } } })
+      const key = newKey()
+      const pending = Array.from({ length: 20 }, () => post(t, key, { a: 1 }, { url: '/gated' }))
+      const settled: number[] = []
+      for (const p of pending) void p.then((res) => settled.push(res.statusCode))
+      // The 19 refused answer while the first still waits at the gate.
+      while (settled.length < 19) await sleep(5)
+      expect(settled.every((code) => code === 409)).toBe(true)
+      open()
+      const all = await Promise.all(pending)
+      expect(all.filter((res) => res.statusCode === 200)).toHaveLength(1)
+      expect(t.runs.get('/gated')).toBe(1)
+    })
+
+    it('passes a request without a key through, unprotected, unless the route requires one', async () => {
+      const t = await app()
+      expect((await post(t, undefined, {})).statusCode).toBe(201)
+      expect((await post(t, undefined, {})).headers['idempotent-replayed']).toBeUndefined()
+      expect(t.runs.get('/orders')).toBe(2)
+      const required = await app({}, {}, { required: true })
+      const res = await post(required, undefined, {})
+      expect(res.statusCode).toBe(400)
+      expect(res.headers['content-type']).toMatch(/^application\/problem\+json/)
+      expect(res.json().type).toMatch(/#key-missing$/)
+      expect(required.runs.get('/orders')).toBeUndefined()
+    })
+
+    it('refuses invalid keys with 400 problem+json before running anything', async () => {
+      const t = await app()
+      for (const bad of ['', 'has space', 'x'.repeat(256), '"unterminated', '"a" , "b"', 'tab\there', '\u00e9t\u00e9']) {
+        const res = await t.app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': bad }, payload: {} })
+        expect(res.statusCode, JSON.stringify(bad)).toBe(400)
+        expect(res.json().type).toMatch(/#key-invalid$/)
+      }
+      expect(t.runs.get('/orders')).toBeUndefined()
+    })
+
+    it('accepts the quoted sf-string form as the same key as the bare form', async () => {
+      const t = await app()
+      const key = newKey()
+      await post(t, key, { a: 1 })
+      const quoted = await post(t, `"${key}"`, { a: 1 })
+      expect(quoted.headers['idempotent-replayed']).toBe('true')
+    })
+
+    it('keeps scopes apart: the same key from two principals is two operations', async () => {
+      const t = await app({ scope: (request) => String(request.headers['x-user']) })
+      const key = newKey()
+      const alice = await post(t, key, { a: 1 }, { headers: { 'x-user': 'alice' } })
+      const bob = await post(t, key, { a: 1 }, { headers: { 'x-user': 'bob' } })
+      expect(bob.headers['idempotent-replayed']).toBeUndefined()
+      expect(bob.json().id).toBe(2)
+      expect((await post(t, key, { a: 1 }, { headers: { 'x-user': 'alice' } })).body).toBe(alice.body)
+      expect((await post(t, key, { a: 9 }, { headers: { 'x-user': 'bob' } })).statusCode).toBe(409)
+    })
+
+    it('replays a Buffer body and a streamed body byte for byte', async () => {
+      const bytes = Buffer.from(Array.from({ length: 4096 }, (_, i) => (i * 7) % 256))
+      const t = await app({}, {
+        '/buffer': (_req: unknown, reply: { type: (t: string) => unknown }) => { reply.type('application/octet-stream'); return bytes },
+        '/stream': (_req: unknown, reply: { type: (t: string) => unknown }) => { reply.type('application/x-custom'); return Readable.from([bytes.subarray(0, 1000), bytes.subarray(1000)]) }
+      })
+      for (const url of ['/buffer', '/stream']) {
+        const key = newKey()
+        const first = await post(t, key, {}, { url })
+        const again = await post(t, key, {}, { url })
+        expect(first.rawPayload.equals(bytes)).toBe(true)
+        expect(again.rawPayload.equals(bytes)).toBe(true)
+        expect(again.headers['content-type']).toBe(first.headers['content-type'])
+        expect(again.headers['idempotent-replayed']).toBe('true')
+        expect(t.runs.get(url)).toBe(1)
+      }
+    })
+
+    it('sends but does not store a response over maxResponseBytes, and frees the key', async () => {
+      const big = 'x'.repeat(2048)
+      const t = await app({ maxResponseBytes: 1024 }, {
+        '/big': () => big,
+        '/big-stream': () => Readable.from([Buffer.from(big.slice(0, 1000)), Buffer.from(big.slice(1000))])
+      })
+      for (const url of ['/big', '/big-stream']) {
+        const key = newKey()
+        expect((await post(t, key, {}, { url })).body).toBe(big)
+        const retry = await post(t, key, {}, { url })
+        expect(retry.body).toBe(big)
+        expect(retry.headers['idempotent-replayed']).toBeUndefined()
+        expect(t.runs.get(url)).toBe(2)
+      }
+    })
+
+    it('does not replay hop-by-hop headers, date or set-cookie (unless replaySetCookie)', async () => {
+      const routes = {
+        '/cookie': (_req: unknown, reply: { header: (n: string, v: string | string[]) => unknown }) => {
+          reply.header('set-cookie', ['a=1', 'b=2']).header('x-custom', 'kept').header('cache-control', 'no-store')
+          return { ok: true }
+        }
+      }
+      const t = await app({}, routes)
+      const key = newKey()
+      const first = await post(t, key, {}, { url: '/cookie' })
+      expect(first.headers['set-cookie']).toEqual(['a=1', 'b=2'])
+      const again = await post(t, key, {}, { url: '/cookie' })
+      expect(again.headers['set-cookie']).toBeUndefined()
+      expect(again.headers['x-custom']).toBe('kept')
+      expect(again.headers['cache-control']).toBe('no-store')
+      expect(again.headers.connection).toBe(first.headers.connection)
+      expect(again.headers['transfer-encoding']).toBeUndefined()
+
+      const cookies = await app({ replaySetCookie: true }, routes)
+      const other = newKey()
+      await post(cookies, other, {}, { url: '/cookie' })
+      expect((await post(cookies, other, {}, { url: '/cookie' })).headers['set-cookie']).toEqual(['a=1', 'b=2'])
+    })
+
+    it('releases the key of a hijacked reply, so a retry runs', async () => {
+      const t = await app({}, {
+        '/hijack': (_req: unknown, reply: { hijack: () => void, raw: { writeHead: (s: number) => void, end: (b: string) => void } }) => {
+          reply.hijack()
+          reply.raw.writeHead(200)
+          reply.raw.end('raw')
+        }
+      })
+      const key = newKey()
+      expect((await post(t, key, {}, { url: '/hijack' })).body).toBe('raw')
+      await sleep(50)
+      expect((await post(t, key, {}, { url: '/hijack' })).body).toBe('raw')
+      expect(t.runs.get('/hijack')).toBe(2)
+    })
+
+    it('sends the replay header under another name, or none', async () => {
+      const renamed = await app({ replayHeader: 'X-Replayed' })
+      const key = newKey()
+      await post(renamed, key, {})
+      const again = await post(renamed, key, {})
+      expect(again.headers['x-replayed']).toBe('true')
+      expect(again.headers['idempotent-replayed']).toBeUndefined()
+      const silent = await app({ replayHeader: false })
+      const other = newKey()
+      await post(silent, other, {})
+      const quiet = await post(silent, other, {})
+      expect(quiet.headers['idempotent-replayed']).toBeUndefined()
+      expect(silent.runs.get('/orders')).toBe(1)
+    })
+
+    it('applies a route\'s overrides over the plugin options', async () => {
+      const t = await app({ fingerprint: { headers: ['x-a'] } }, {}, { required: true, fingerprint: { query: true } })
+      const key = newKey()
+      expect((await post(t, undefined, {})).statusCode).toBe(400)
+      await post(t, key, {}, { url: '/orders?x=1', headers: { 'x-a': '1' } })
+      expect((await post(t, key, {}, { url: '/orders?x=2', headers: { 'x-a': '1' } })).statusCode).toBe(409)
+      expect((await post(t, key, {}, { url: '/orders?x=1', headers: { 'x-a': '2' } })).statusCode).toBe(409)
+      expect((await post(t, key, {}, { url: '/orders?x=1', headers: { 'x-a': '1' } })).statusCode).toBe(201)
+    })
+  })
+}
