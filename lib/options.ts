@@ -134,26 +134,31 @@ export const optionsSchema = {
   }
 } as const
 
-/** JSON Schema of a route's `config.idempotency`. */
+/** JSON Schema of a route's `config.idempotency` when it is an object (it may also be `true` or `false`). */
 export const routeConfigSchema = {
-  anyOf: [
-    { type: 'boolean' },
-    { type: 'object', additionalProperties: false, properties: routeProperties }
-  ]
+  type: 'object',
+  additionalProperties: false,
+  properties: routeProperties
 } as const
 
 const ajv = new Ajv({ allErrors: false, strict: true, allowUnionTypes: true })
 const validateOptions = ajv.compile(optionsSchema)
 const validateRouteConfig = ajv.compile(routeConfigSchema)
 
-function describeError (error: ErrorObject): string {
-  const where = error.instancePath === '' ? 'options' : error.instancePath.slice(1).replaceAll('/', '.')
+/** The most telling error: the deepest one, and of two equally deep, not a mere type mismatch of an anyOf branch. */
+function mostSpecific (errors: ErrorObject[]): ErrorObject {
+  const depth = (error: ErrorObject) => error.instancePath.split('/').length * 2 + (error.keyword === 'type' ? 0 : 1)
+  return errors.filter((error) => error.keyword !== 'anyOf').reduce((best, error) => (depth(error) > depth(best) ? error : best), errors[0]!)
+}
+
+function describeError (error: ErrorObject, root: string): string {
+  const where = error.instancePath === '' ? root : error.instancePath.slice(1).replaceAll('/', '.')
   if (error.keyword === 'additionalProperties') return `${where} has an unknown property '${String(error.params.additionalProperty)}'`
   return `${where} ${error.message ?? 'is invalid'}`
 }
 
-function check (valid: boolean, errors: ErrorObject[] | null | undefined, context: string): void {
-  if (!valid) throw new TypeError(`fastify-idempotency: invalid ${context}: ${describeError(errors![0]!)}`)
+function check (valid: boolean, errors: ErrorObject[] | null | undefined, context: string, root: string): void {
+  if (!valid) throw new TypeError(`fastify-idempotency: invalid ${context}: ${describeError(mostSpecific(errors!), root)}`)
 }
 
 function toMilliseconds (value: number | string, name: string, context: string): number {
@@ -190,7 +195,7 @@ function cacheableSet (base: Iterable<number>, add: number[] = [], remove: numbe
 /** Normalize the plugin options once, at register time. Throws a TypeError naming the problem. */
 export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettings {
   const context = 'options'
-  check(validateOptions(options), validateOptions.errors, context)
+  check(validateOptions(options), validateOptions.errors, context, 'options')
   checkScope(options.scope, context)
   if (options.storage !== undefined) checkStorage(options.storage)
   const replayHeader = options.replayHeader ?? 'Idempotent-Replayed'
@@ -222,10 +227,13 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
  * route is not guarded. Throws a TypeError naming the route and the problem.
  */
 export function routeSettings (base: RouteSettings, config: unknown, routeName: string): RouteSettings | null {
-  const context = `config.idempotency of route ${routeName}`
-  check(validateRouteConfig(config), validateRouteConfig.errors, context)
   if (config === false) return null
   if (config === true) return base
+  const context = `config.idempotency of route ${routeName}`
+  if (config === null || typeof config !== 'object' || Array.isArray(config)) {
+    throw new TypeError(`fastify-idempotency: invalid ${context}: it must be true, false or an object of route options`)
+  }
+  check(validateRouteConfig(config), validateRouteConfig.errors, context, 'config.idempotency')
   const route = config as IdempotencyRouteOptions
   checkScope(route.scope, context)
   const fingerprintOptions = { ...base.fingerprintOptions, ...route.fingerprint }

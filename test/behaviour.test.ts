@@ -8,7 +8,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import { IdempotencyFingerprintMismatchError } from '../lib/index.js'
 import type { IdempotencyOptions } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
-import { buildApp, newKey } from './helpers/app.js'
+import { buildApp, newKey, type Handler } from './helpers/app.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -19,7 +19,7 @@ for (const store of cases) {
     beforeAll(async () => { storage = await store.create() })
     afterAll(async () => { await store.cleanup() })
 
-    const app = (options: IdempotencyOptions = {}, routes = {}, routeConfig: object | true = true) =>
+    const app = (options: IdempotencyOptions = {}, routes: Record<string, Handler> = {}, routeConfig: object | true = true) =>
       buildApp({ storage, ...options }, routes, routeConfig)
     const post = (target: Awaited<ReturnType<typeof app>>, key: string | undefined, payload: unknown, extra: { url?: string, method?: string, headers?: Record<string, string> } = {}) =>
       target.app.inject({
@@ -160,7 +160,7 @@ for (const store of cases) {
 
     for (const status of [400, 500]) {
       it(`does not store a ${status} response: a retry runs the handler`, async () => {
-        const t = await app({}, { '/flaky': (_req: unknown, reply: { code: (n: number) => void }, run: number) => { reply.code(run === 1 ? status : 201); return { run } } })
+        const t = await app({}, { '/flaky': (_req, reply, run) => { reply.code(run === 1 ? status : 201); return { run } } })
         const key = newKey()
         expect((await post(t, key, {}, { url: '/flaky' })).statusCode).toBe(status)
         const retry = await post(t, key, {}, { url: '/flaky' })
@@ -172,7 +172,7 @@ for (const store of cases) {
     }
 
     it('does not store a thrown error: a retry runs the handler', async () => {
-      const t = await app({}, { '/throws': (_req: unknown, _reply: unknown, run: number) => { if (run === 1) throw new Error('boom'); return { run } } })
+      const t = await app({}, { '/throws': (_req, _reply, run) => { if (run === 1) throw new Error('boom'); return { run } } })
       const key = newKey()
       expect((await post(t, key, {}, { url: '/throws' })).statusCode).toBe(500)
       const retry = await post(t, key, {}, { url: '/throws' })
@@ -181,7 +181,7 @@ for (const store of cases) {
     })
 
     it('stores an added cacheable status, and not a removed one', async () => {
-      const routes = { '/status': (_req: unknown, reply: { code: (n: number) => void }, run: number) => { reply.code(run === 1 ? 400 : 201); return { run } } }
+      const routes: Record<string, Handler> = { '/status': (_req, reply, run) => { reply.code(run === 1 ? 400 : 201); return { run } } }
       const added = await app({ addCacheableStatusCodes: [400] }, routes)
       const key = newKey()
       expect((await post(added, key, {}, { url: '/status' })).statusCode).toBe(400)
@@ -297,8 +297,8 @@ for (const store of cases) {
     it('replays a Buffer body and a streamed body byte for byte', async () => {
       const bytes = Buffer.from(Array.from({ length: 4096 }, (_, i) => (i * 7) % 256))
       const t = await app({}, {
-        '/buffer': (_req: unknown, reply: { type: (t: string) => unknown }) => { reply.type('application/octet-stream'); return bytes },
-        '/stream': (_req: unknown, reply: { type: (t: string) => unknown }) => { reply.type('application/x-custom'); return Readable.from([bytes.subarray(0, 1000), bytes.subarray(1000)]) }
+        '/buffer': (_req, reply) => { reply.type('application/octet-stream'); return bytes },
+        '/stream': (_req, reply) => { reply.type('application/x-custom'); return Readable.from([bytes.subarray(0, 1000), bytes.subarray(1000)]) }
       })
       for (const url of ['/buffer', '/stream']) {
         const key = newKey()
@@ -329,8 +329,8 @@ for (const store of cases) {
     })
 
     it('does not replay hop-by-hop headers, date or set-cookie (unless replaySetCookie)', async () => {
-      const routes = {
-        '/cookie': (_req: unknown, reply: { header: (n: string, v: string | string[]) => unknown }) => {
+      const routes: Record<string, Handler> = {
+        '/cookie': (_req, reply) => {
           reply.header('set-cookie', ['a=1', 'b=2']).header('x-custom', 'kept').header('cache-control', 'no-store')
           return { ok: true }
         }
@@ -354,7 +354,7 @@ for (const store of cases) {
 
     it('releases the key of a hijacked reply, so a retry runs', async () => {
       const t = await app({}, {
-        '/hijack': (_req: unknown, reply: { hijack: () => void, raw: { writeHead: (s: number) => void, end: (b: string) => void } }) => {
+        '/hijack': (_req, reply) => {
           reply.hijack()
           reply.raw.writeHead(200)
           reply.raw.end('raw')

@@ -13,7 +13,7 @@ export function newKey (label = 'k'): string {
   return `${label}-${randomUUID()}`
 }
 
-type Handler = (request: FastifyRequest, reply: FastifyReply, run: number) => unknown
+export type Handler = (request: FastifyRequest, reply: FastifyReply, run: number) => unknown
 
 /**
  * An app with the plugin and its error handler, and `/orders` (guarded, 201 + Location), whose

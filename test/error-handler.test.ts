@@ -1,0 +1,99 @@
+import { describe, expect, it } from 'vitest'
+import Fastify from 'fastify'
+import {
+  IdempotencyError,
+  IdempotencyFingerprintMismatchError,
+  IdempotencyKeyInvalidError,
+  IdempotencyKeyMissingError,
+  IdempotencyRequestInProgressError,
+  IdempotencyStoreUnavailableError,
+  idempotencyErrorHandler,
+  isIdempotencyError
+} from '../lib/index.js'
+
+const kinds = [
+  { error: new IdempotencyFingerprintMismatchError('k1'), status: 409, anchor: 'fingerprint-mismatch', title: 'Idempotency fingerprint mismatch', key: 'k1' },
+  { error: new IdempotencyFingerprintMismatchError('k2', 422), status: 422, anchor: 'fingerprint-mismatch', title: 'Idempotency fingerprint mismatch', key: 'k2' },
+  { error: new IdempotencyKeyMissingError('Idempotency-Key'), status: 400, anchor: 'key-missing', title: 'Idempotency key missing', key: undefined },
+  { error: new IdempotencyKeyInvalidError('bad'), status: 400, anchor: 'key-invalid', title: 'Idempotency key invalid', key: undefined },
+  { error: new IdempotencyRequestInProgressError('k3', 12.2), status: 409, anchor: 'request-in-progress', title: 'Idempotency request in progress', key: 'k3' },
+  { error: new IdempotencyStoreUnavailableError('k4', new Error('ECONNREFUSED')), status: 503, anchor: 'store-unavailable', title: 'Idempotency store unavailable', key: 'k4' }
+]
+
+async function answer (error: Error, handler = idempotencyErrorHandler()) {
+  const app = Fastify()
+  app.setErrorHandler(handler)
+  app.get('/', async () => { throw error })
+  const res = await app.inject('/')
+  await app.close()
+  return res
+}
+
+describe('errors', () => {
+  it('share a base class, a type guard, static type/title and instance members', () => {
+    for (const { error, status, anchor, title, key } of kinds) {
+      expect(error).toBeInstanceOf(IdempotencyError)
+      expect(isIdempotencyError(error)).toBe(true)
+      const kind = error.constructor as typeof IdempotencyError
+      expect(kind.type).toMatch(new RegExp(`^https://[^#]+/docs/errors\\.md#${anchor}$`))
+      expect(kind.title).toBe(title)
+      expect(error.type).toBe(kind.type)
+      expect(error.title).toBe(title)
+      expect(error.statusCode).toBe(status)
+      expect(error.idempotencyKey).toBe(key)
+      expect(error.code).toMatch(/^FST_IDEMPOTENCY_/)
+      expect(error.name).toBe(kind.name)
+    }
+    expect(isIdempotencyError(new Error('x'))).toBe(false)
+    expect(IdempotencyFingerprintMismatchError.title).toBe('Idempotency fingerprint mismatch')
+  })
+
+  it('rounds Retry-After up to whole seconds, at least 1', () => {
+    expect(new IdempotencyRequestInProgressError('k', 12.2).headers['retry-after']).toBe('13')
+    expect(new IdempotencyRequestInProgressError('k', -5).headers['retry-after']).toBe('1')
+  })
+
+  it('keeps the cause of a store failure out of the client\'s answer', async () => {
+    const res = await answer(new IdempotencyStoreUnavailableError('k', new Error('password=hunter2')))
+    expect(res.body).not.toContain('hunter2')
+  })
+})
+
+describe('idempotencyErrorHandler', () => {
+  for (const { error, status, key } of kinds) {
+    it(`answers ${error.name} (${status}) with RFC 9457 problem+json`, async () => {
+      const res = await answer(error)
+      expect(res.statusCode).toBe(status)
+      expect(res.headers['content-type']).toMatch(/^application\/problem\+json/)
+      const body = res.json()
+      expect(body).toEqual({ type: error.type, title: error.title, status, detail: error.message, ...(key === undefined ? {} : { idempotencyKey: key }) })
+      for (const [name, value] of Object.entries(error.headers)) expect(res.headers[name]).toBe(value)
+    })
+  }
+
+  it('passes other errors to the fallback', async () => {
+    const res = await answer(new Error('other'), idempotencyErrorHandler({
+      fallback (error, _request, reply) { reply.code(418).send({ mine: error.message }) }
+    }))
+    expect(res.statusCode).toBe(418)
+    expect(res.json()).toEqual({ mine: 'other' })
+  })
+
+  it('leaves other errors to Fastify\'s default handling without a fallback', async () => {
+    const teapot = Object.assign(new Error('short and stout'), { statusCode: 418 })
+    const res = await answer(teapot)
+    expect(res.statusCode).toBe(418)
+    expect(res.json()).toEqual({ statusCode: 418, error: "I'm a Teapot", message: 'short and stout' })
+    const plain = await answer(new Error('boom'))
+    expect(plain.statusCode).toBe(500)
+  })
+
+  it('without the helper, Fastify\'s default handler still answers with the status and Retry-After', async () => {
+    const app = Fastify()
+    app.get('/', async () => { throw new IdempotencyRequestInProgressError('k', 5) })
+    const res = await app.inject('/')
+    expect(res.statusCode).toBe(409)
+    expect(res.headers['retry-after']).toBe('5')
+    expect(res.json().code).toBe('FST_IDEMPOTENCY_REQUEST_IN_PROGRESS')
+  })
+})

@@ -1,0 +1,118 @@
+import { describe, expect, it } from 'vitest'
+import { createHash } from 'node:crypto'
+import type { FastifyRequest } from 'fastify'
+import { computeFingerprint, normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint.js'
+
+function request (parts: { body?: unknown, method?: string, url?: string, headers?: Record<string, string | string[]> }): FastifyRequest {
+  return { body: parts.body, method: parts.method ?? 'POST', url: parts.url ?? '/orders', headers: parts.headers ?? {} } as unknown as FastifyRequest
+}
+const fp = (parts: Parameters<typeof request>[0], options: FingerprintOptions = {}) => computeFingerprint(request(parts), normalizeFingerprint(options))
+
+describe('fingerprint', () => {
+  it('is a SHA-256 in base64url', () => {
+    expect(fp({ body: { a: 1 } })).toMatch(/^[A-Za-z0-9_-]{43}$/)
+  })
+
+  it('canonicalizes JSON: member order does not matter, nested or not', () => {
+    expect(fp({ body: { a: 1, b: { c: [1, { d: 2, e: 3 }] } } })).toBe(fp({ body: { b: { c: [1, { e: 3, d: 2 }] }, a: 1 } }))
+  })
+
+  it('pins the documented encoding: a stored fingerprint stays valid across releases', () => {
+    const settings = normalizeFingerprint({})
+    const part = (type: string, data: string) => `${type}${Buffer.byteLength(data)}:${data}`
+    // RFC 8785: members sorted by UTF-16 code units, so "10" before "2"; 1.50 written as 1.5.
+    const canonical = '{"10":"x","2":{"a":1.5,"b":"\u00e9"}}'
+    const expected = createHash('sha256').update(part('t', settings.tag) + part('j', canonical)).digest('base64url')
+    expect(fp({ body: JSON.parse('{ "2": { "b": "\u00e9", "a": 1.50 }, "10": "x" }') })).toBe(expected)
+    expect(settings.tag).toBe('["fastify-idempotency/fingerprint/v1",true,null,null,false,false,false,false,[]]')
+  })
+
+  it('keeps array order', () => {
+    expect(fp({ body: [1, 2] })).not.toBe(fp({ body: [2, 1] }))
+  })
+
+  it('sorts integer-like member names as strings (RFC 8785), unlike JavaScript objects', () => {
+    const parsed = JSON.parse('{"10":"x","2":"y"}')
+    const rebuilt: Record<string, string> = {}
+    rebuilt['2'] = 'y'
+    rebuilt['10'] = 'x'
+    expect(fp({ body: parsed })).toBe(fp({ body: rebuilt }))
+  })
+
+  it('tells values apart by type and content', () => {
+    const bodies = [{ a: 1 }, { a: '1' }, { a: true }, { a: null }, { a: [] }, { a: {} }, { a: 1, b: undefined, c: 2 }, 'a', Buffer.from('b'), null]
+    const prints = new Set(bodies.map((body) => fp({ body })))
+    expect(prints.size).toBe(bodies.length)
+  })
+
+  it('hashes a string and a Buffer of the same bytes alike, and JSON text differently from its parse', () => {
+    expect(fp({ body: 'abc' })).toBe(fp({ body: Buffer.from('abc') }))
+    expect(fp({ body: '{"a":1}' })).not.toBe(fp({ body: { a: 1 } }))
+  })
+
+  it('treats an absent body apart from an empty one', () => {
+    expect(fp({ body: undefined })).toBe(fp({ body: null }))
+    expect(fp({ body: undefined })).not.toBe(fp({ body: '' }))
+  })
+
+  it('includes only the selected components, and each changes it when selected', () => {
+    const base = { body: { a: 1 }, method: 'POST', url: '/a?x=1', headers: { 'content-type': 'application/json', 'x-tenant': 't1' } }
+    const changes: Array<[FingerprintOptions, Parameters<typeof request>[0]]> = [
+      [{ method: true }, { ...base, method: 'PUT' }],
+      [{ path: true }, { ...base, url: '/b?x=1' }],
+      [{ query: true }, { ...base, url: '/a?x=2' }],
+      [{ contentType: true }, { ...base, headers: { ...base.headers, 'content-type': 'text/plain' } }],
+      [{ headers: ['X-Tenant'] }, { ...base, headers: { ...base.headers, 'x-tenant': 't2' } }],
+      [{}, { ...base, body: { a: 2 } }]
+    ]
+    for (const [options, changed] of changes) {
+      expect(fp(changed, options), JSON.stringify(options)).not.toBe(fp(base, options))
+      if (Object.keys(options).length > 0) expect(fp(changed), JSON.stringify(options)).toBe(fp(base))
+    }
+  })
+
+  it('differs between option sets for the same request', () => {
+    const req = { body: { a: 1 } }
+    const sets: FingerprintOptions[] = [{}, { method: true }, { path: true }, { query: true }, { contentType: true }, { headers: ['x'] }, { body: false }, { body: { include: ['/a'] } }, { body: { exclude: ['/b'] } }]
+    expect(new Set(sets.map((options) => fp(req, options))).size).toBe(sets.length)
+  })
+
+  it('sorts query parameters by name, keeps the order of repeated ones, and decodes them', () => {
+    const q = { query: true }
+    expect(fp({ url: '/?b=2&a=1' }, q)).toBe(fp({ url: '/?a=1&b=2' }, q))
+    expect(fp({ url: '/?a=1&a=2' }, q)).not.toBe(fp({ url: '/?a=2&a=1' }, q))
+    expect(fp({ url: '/?a=%41' }, q)).toBe(fp({ url: '/?a=A' }, q))
+    expect(fp({ url: '/' }, q)).toBe(fp({ url: '/?' }, q))
+    expect(fp({ url: '/?a=1&b' }, q)).not.toBe(fp({ url: '/?a=1b' }, q))
+  })
+
+  it('does not let part boundaries shift (length-prefixed encoding)', () => {
+    const o = { headers: ['x-a', 'x-b'] }
+    expect(fp({ headers: { 'x-a': 'ab', 'x-b': 'c' } }, o)).not.toBe(fp({ headers: { 'x-a': 'a', 'x-b': 'bc' } }, o))
+    expect(fp({ headers: { 'x-a': '' } }, o)).not.toBe(fp({ headers: {} }, o))
+  })
+
+  it('compares header names case-insensitively and the content type case-insensitively', () => {
+    expect(fp({ headers: { 'x-t': '1' } }, { headers: ['X-T'] })).toBe(fp({ headers: { 'x-t': '1' } }, { headers: ['x-t'] }))
+    expect(fp({ headers: { 'content-type': 'Application/JSON' } }, { contentType: true })).toBe(fp({ headers: { 'content-type': 'application/json' } }, { contentType: true }))
+  })
+
+  it('selects JSON members by pointer: include keeps only those, exclude drops those', () => {
+    const include = { body: { include: ['/amount', '/payer/id'] } }
+    expect(fp({ body: { amount: 1, payer: { id: 'p', name: 'x' }, note: 'a' } }, include))
+      .toBe(fp({ body: { amount: 1, payer: { id: 'p', name: 'y' }, note: 'b' } }, include))
+    expect(fp({ body: { amount: 1, payer: { id: 'p' } } }, include)).not.toBe(fp({ body: { amount: 1, payer: { id: 'q' } } }, include))
+    expect(fp({ body: { amount: 1 } }, include)).not.toBe(fp({ body: { payer: { id: 1 } } }, include))
+
+    const exclude = { body: { exclude: ['/meta/sentAt', '/items/0', '/a~1b'] } }
+    expect(fp({ body: { x: 1, meta: { sentAt: 1, v: 2 }, items: ['t1', 'keep'], 'a/b': 1 } }, exclude))
+      .toBe(fp({ body: { x: 1, meta: { sentAt: 2, v: 2 }, items: ['t2', 'keep'], 'a/b': 2 } }, exclude))
+    expect(fp({ body: { x: 1, items: ['t1', 'keep'] } }, exclude)).not.toBe(fp({ body: { x: 1, items: ['t1', 'other'] } }, exclude))
+  })
+
+  it('does not change the request body while selecting members', () => {
+    const body = { a: 1, meta: { sentAt: 1 } }
+    fp({ body }, { body: { exclude: ['/meta/sentAt'] } })
+    expect(body).toEqual({ a: 1, meta: { sentAt: 1 } })
+  })
+})

@@ -1,0 +1,84 @@
+import { describe, expect, it } from 'vitest'
+import Fastify from 'fastify'
+import idempotency, { MemoryStorage, type IdempotencyOptions } from '../lib/index.js'
+
+async function register (options: unknown): Promise<void> {
+  const app = Fastify()
+  try {
+    await app.register(idempotency, options as IdempotencyOptions)
+    await app.ready()
+  } finally {
+    await app.close()
+  }
+}
+
+async function addRoute (config: unknown): Promise<void> {
+  const app = Fastify()
+  try {
+    await app.register(idempotency)
+    app.post('/pay', { config: { idempotency: config as true } }, async () => ({}))
+    await app.ready()
+  } finally {
+    await app.close()
+  }
+}
+
+describe('options are validated when the plugin is registered', () => {
+  it('accepts the documented options', async () => {
+    await expect(register({
+      storage: new MemoryStorage(),
+      expiration: '24h',
+      lockTimeout: 30_000,
+      addCacheableStatusCodes: [409],
+      removeCacheableStatusCodes: [202],
+      required: false,
+      headerName: 'X-Idempotency-Key',
+      maxKeyLength: 64,
+      maxResponseBytes: 2048,
+      replayHeader: false,
+      replaySetCookie: true,
+      excludeHeaders: ['x-request-id'],
+      mismatchStatusCode: 422,
+      failOpen: true,
+      scope: () => 'tenant',
+      fingerprint: { body: { include: ['/amount'] }, method: true, path: true, query: true, contentType: true, headers: ['x-tenant'] }
+    })).resolves.toBeUndefined()
+  })
+
+  const bad: Array<[string, unknown, RegExp]> = [
+    ['an unknown option', { expirations: '1h' }, /options has an unknown property 'expirations'/],
+    ['a typo in fingerprint', { fingerprint: { bdy: true } }, /fingerprint has an unknown property 'bdy'/],
+    ['a bad duration string', { expiration: '24 hourz' }, /expiration must be a positive number of milliseconds or a duration/],
+    ['a zero duration', { lockTimeout: 0 }, /lockTimeout must be >= 1/],
+    ['a status code out of range', { addCacheableStatusCodes: [999] }, /addCacheableStatusCodes\.0 must be <= 599/],
+    ['a mismatch status other than 409/422', { mismatchStatusCode: 400 }, /mismatchStatusCode must be equal to one of the allowed values/],
+    ['a header name that is not a token', { headerName: 'bad header' }, /headerName must match pattern/],
+    ['a pointer without a slash', { fingerprint: { body: { include: ['amount'] } } }, /fingerprint\.body\.include\.0 must match pattern "\^\/"/],
+    ['include and exclude together', { fingerprint: { body: { include: ['/a'], exclude: ['/b'] } } }, /fingerprint\.body/],
+    ['a storage missing methods', { storage: { begin () {} } }, /storage must implement IdempotencyStorage \(missing complete, release, renew\)/],
+    ['a scope that is not a function', { scope: 'tenant' }, /scope must be a function/]
+  ]
+  for (const [name, options, message] of bad) {
+    it(`refuses ${name}`, async () => {
+      await expect(register(options)).rejects.toThrow(message)
+    })
+  }
+})
+
+describe('route config is validated when the route is added', () => {
+  it('accepts true, false and overrides', async () => {
+    await expect(addRoute(true)).resolves.toBeUndefined()
+    await expect(addRoute(false)).resolves.toBeUndefined()
+    await expect(addRoute({ required: true, expiration: '1h', fingerprint: { query: true, headers: ['x-tenant'] } })).resolves.toBeUndefined()
+  })
+
+  it('names the route and the problem', async () => {
+    await expect(addRoute({ requird: true })).rejects.toThrow(/config\.idempotency of route POST \/pay: config\.idempotency has an unknown property 'requird'/)
+    await expect(addRoute({ expiration: 'soon' })).rejects.toThrow(/route POST \/pay: expiration must be/)
+    await expect(addRoute('yes')).rejects.toThrow(/route POST \/pay: it must be true, false or an object/)
+  })
+
+  it('refuses plugin-wide options that make no sense per route', async () => {
+    await expect(addRoute({ storage: new MemoryStorage() })).rejects.toThrow(/unknown property 'storage'/)
+  })
+})
