@@ -8,6 +8,7 @@
  *
  * Hooks are created per route from that route's settings, so nothing here looks options up.
  */
+import { setTimeout as sleep } from 'node:timers/promises'
 import type { FastifyReply, FastifyRequest, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
 import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
 import {
@@ -84,26 +85,51 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     if (state === null) return
     const fingerprint = computeFingerprint(request, settings.fingerprint)
     const storageKey = await scopedKey(request, state.key)
-    let result
-    try {
-      result = await storage.begin(storageKey, fingerprint, settings.lockTimeout)
-    } catch (error) {
-      if (!settings.failOpen) throw new IdempotencyStoreUnavailableError(state.key, error)
-      request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency store unavailable: running the handler without protection (failOpen)')
-      ;(request as StatefulRequest)[kState] = null
-      return
+    const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
+    for (let attempt = 0; ; attempt++) {
+      let result
+      try {
+        result = await storage.begin(storageKey, fingerprint, settings.lockTimeout)
+      } catch (error) {
+        if (!settings.failOpen) throw new IdempotencyStoreUnavailableError(state.key, error)
+        request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency store unavailable: running the handler without protection (failOpen)')
+        ;(request as StatefulRequest)[kState] = null
+        return
+      }
+      if (result.state === 'acquired') {
+        state.phase = 'held'
+        state.storageKey = storageKey
+        state.token = result.token
+        holdLease(request, reply, state)
+        return
+      }
+      // A different request under this key is refused whether the first one finished or not.
+      if (result.fingerprint !== fingerprint) throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
+      if (result.state === 'completed') {
+        replay(reply, state, result.response)
+        return
+      }
+      const now = Date.now()
+      if (now >= waitUntil) throw new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - now) / 1000)
+      await waitForLease(storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
     }
-    if (result.state === 'acquired') {
-      state.phase = 'held'
-      state.storageKey = storageKey
-      state.token = result.token
-      holdLease(request, reply, state)
-      return
+  }
+
+  /**
+   * Wait for the lease holder to finish: on the store's own signal where it has one, otherwise by
+   * polling with a back-off (25 ms doubling to 400 ms) that keeps the store's load bounded.
+   */
+  async function waitForLease (storageKey: string, timeout: number, attempt: number): Promise<void> {
+    if (timeout <= 0) return
+    if (storage.waitFor !== undefined) {
+      try {
+        await storage.waitFor(storageKey, timeout)
+        return
+      } catch {
+        // The store cannot wait right now (say, its subscriber connection is down): poll instead.
+      }
     }
-    // A different request under this key is refused whether the first one finished or not.
-    if (result.fingerprint !== fingerprint) throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
-    if (result.state === 'in-flight') throw new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - Date.now()) / 1000)
-    replay(reply, state, result.response)
+    await sleep(Math.min(timeout, 25 * 2 ** Math.min(attempt, 4)))
   }
 
   function replay (reply: FastifyReply, state: RequestState, response: StoredResponse): void {

@@ -29,6 +29,14 @@ export interface IdempotencyRouteOptions {
   mismatchStatusCode?: 409 | 422
   /** When the store is unreachable, run the handler without protection instead of answering 503 (default `false`). */
   failOpen?: boolean
+  /**
+   * A duplicate of a request still in flight waits for it to finish and gets its response (or,
+   * if it ended without storing one, runs the handler itself), instead of an immediate 409
+   * (default `false`).
+   */
+  wait?: boolean
+  /** With `wait`, how long a duplicate waits before it gets the 409 after all (default `'10s'`). */
+  waitTimeout?: number | string
   /** Namespace keys by principal (tenant, user, API key) so one never receives another's response. */
   scope?: (request: FastifyRequest) => string | Promise<string>
 }
@@ -63,10 +71,14 @@ export interface RouteSettings {
   maxResponseBytes: number
   mismatchStatusCode: 409 | 422
   failOpen: boolean
+  /** Milliseconds a duplicate of an in-flight request waits; 0 answers 409 at once. */
+  waitTimeout: number
   scope: ((request: FastifyRequest) => string | Promise<string>) | null
   replayHeader: string | null
   excludedHeaders: ReadonlySet<string>
 }
+
+const DEFAULT_WAIT_TIMEOUT = 10_000
 
 export const DEFAULT_CACHEABLE_STATUS_CODES: readonly number[] = [200, 201, 202, 204]
 
@@ -115,6 +127,8 @@ const routeProperties = {
   maxResponseBytes: { type: 'integer', minimum: 0 },
   mismatchStatusCode: { enum: [409, 422] },
   failOpen: { type: 'boolean' },
+  wait: { type: 'boolean' },
+  waitTimeout: duration,
   // Functions and objects are checked by hand below: JSON Schema cannot describe them.
   scope: {}
 }
@@ -216,10 +230,18 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
     maxResponseBytes: options.maxResponseBytes ?? 1024 * 1024,
     mismatchStatusCode: options.mismatchStatusCode ?? 409,
     failOpen: options.failOpen ?? false,
+    waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
     scope: options.scope ?? null,
     replayHeader: replayHeader === false ? null : replayHeader,
     excludedHeaders: excluded
   }
+}
+
+function routeWaitTimeout (base: RouteSettings, route: IdempotencyRouteOptions, context: string): number {
+  const wait = route.wait ?? base.waitTimeout > 0
+  if (!wait) return 0
+  if (route.waitTimeout !== undefined) return toMilliseconds(route.waitTimeout, 'waitTimeout', context)
+  return base.waitTimeout > 0 ? base.waitTimeout : DEFAULT_WAIT_TIMEOUT
 }
 
 /**
@@ -248,6 +270,7 @@ export function routeSettings (base: RouteSettings, config: unknown, routeName: 
     maxResponseBytes: route.maxResponseBytes ?? base.maxResponseBytes,
     mismatchStatusCode: route.mismatchStatusCode ?? base.mismatchStatusCode,
     failOpen: route.failOpen ?? base.failOpen,
+    waitTimeout: routeWaitTimeout(base, route, context),
     scope: route.scope ?? base.scope
   }
 }

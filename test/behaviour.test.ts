@@ -252,6 +252,71 @@ for (const store of cases) {
       expect(t.runs.get('/gated')).toBe(1)
     })
 
+    it('with wait, lets a duplicate wait for the first request and receive its response', async () => {
+      let open!: () => void
+      const gate = new Promise<void>((resolve) => { open = resolve })
+      let started!: () => void
+      const running = new Promise<void>((resolve) => { started = resolve })
+      const t = await app({ wait: true, waitTimeout: '20s' }, { '/slow': async (_req, reply) => { started(); await gate; reply.code(201); return { done: true } } })
+      const key = newKey()
+      const first = post(t, key, { a: 1 }, { url: '/slow' })
+      await running
+      const duplicates = Array.from({ length: 5 }, () => post(t, key, { a: 1 }, { url: '/slow' }))
+      const mismatch = await post(t, key, { a: 2 }, { url: '/slow' })
+      expect(mismatch.statusCode).toBe(409)
+      expect(mismatch.json().type).toMatch(/#fingerprint-mismatch$/)
+      open()
+      const firstAnswer = await first
+      for (const duplicate of await Promise.all(duplicates)) {
+        expect(duplicate.statusCode).toBe(201)
+        expect(duplicate.body).toBe(firstAnswer.body)
+        expect(duplicate.headers['idempotent-replayed']).toBe('true')
+      }
+      expect(t.runs.get('/slow')).toBe(1)
+    })
+
+    it('with wait, lets exactly one waiter run the handler when the first request stored nothing', async () => {
+      let open!: () => void
+      const gate = new Promise<void>((resolve) => { open = resolve })
+      let started!: () => void
+      const running = new Promise<void>((resolve) => { started = resolve })
+      const t = await app({ wait: true, waitTimeout: '20s' }, {
+        '/fails-once': async (_req, reply, run) => {
+          if (run === 1) { started(); await gate; reply.code(500); return { failed: true } }
+          reply.code(201)
+          return { run }
+        }
+      })
+      const key = newKey()
+      const first = post(t, key, { a: 1 }, { url: '/fails-once' })
+      await running
+      const waiters = Array.from({ length: 6 }, () => post(t, key, { a: 1 }, { url: '/fails-once' }))
+      open()
+      expect((await first).statusCode).toBe(500)
+      const answers = await Promise.all(waiters)
+      expect(t.runs.get('/fails-once')).toBe(2)
+      expect(answers.every((res) => res.statusCode === 201 && res.body === answers[0]!.body)).toBe(true)
+      expect(answers.filter((res) => res.headers['idempotent-replayed'] === undefined)).toHaveLength(1)
+    })
+
+    it('with wait, answers 409 in progress once waitTimeout has passed', async () => {
+      let open!: () => void
+      const gate = new Promise<void>((resolve) => { open = resolve })
+      let started!: () => void
+      const running = new Promise<void>((resolve) => { started = resolve })
+      const t = await app({}, { '/slow': async () => { started(); await gate; return { done: true } } }, { wait: true, waitTimeout: 300 })
+      const key = newKey()
+      const first = post(t, key, { a: 1 }, { url: '/slow' })
+      await running
+      const before = Date.now()
+      const late = await post(t, key, { a: 1 }, { url: '/slow' })
+      expect(late.statusCode).toBe(409)
+      expect(late.json().type).toMatch(/#request-in-progress$/)
+      expect(Date.now() - before).toBeGreaterThanOrEqual(280)
+      open()
+      await first
+    })
+
     it('passes a request without a key through, unprotected, unless the route requires one', async () => {
       const t = await app()
       expect((await post(t, undefined, {})).statusCode).toBe(201)

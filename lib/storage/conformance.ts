@@ -252,6 +252,37 @@ export function storageConformance (
       assert.equal((await store().begin(b, 'fp-b', LEASE)).state, 'in-flight')
     })
 
+    it('wakes a waiter when the lease ends by complete or release (if the provider can wait)', async () => {
+      const waitFor = store().waitFor?.bind(store())
+      if (waitFor === undefined) return
+      for (const end of ['complete', 'release'] as const) {
+        const key = freshKey(`wait-${end}`)
+        const token = expectAcquired(await store().begin(key, 'fp', LEASE))
+        const started = Date.now()
+        const waiting = waitFor(key, 20_000)
+        await sleep(shortTtl)
+        if (end === 'complete') assert.equal(await store().complete(key, token, sampleResponse(), EXPIRY), true)
+        else assert.equal(await store().release(key, token), true)
+        await waiting
+        assert.ok(Date.now() - started < 10_000, `the waiter woke only after ${Date.now() - started} ms`)
+        assert.notEqual((await store().begin(key, 'fp', LEASE)).state, 'in-flight')
+      }
+    })
+
+    it('returns from waitFor at once for a key nobody holds, and after the timeout otherwise', async () => {
+      const waitFor = store().waitFor?.bind(store())
+      if (waitFor === undefined) return
+      const free = Date.now()
+      await waitFor(freshKey('wait-free'), 20_000)
+      assert.ok(Date.now() - free < 5_000)
+      const key = freshKey('wait-timeout')
+      expectAcquired(await store().begin(key, 'fp', LEASE))
+      const held = Date.now()
+      await waitFor(key, shortTtl)
+      assert.ok(Date.now() - held >= shortTtl - 5, 'waitFor returned before its timeout while the lease was held')
+      assert.ok(Date.now() - held < 5_000)
+    })
+
     it('stores hostile keys literally and keeps them apart', async () => {
       const prefix = freshKey('hostile')
       for (const [i, hostile] of HOSTILE_KEYS.entries()) {

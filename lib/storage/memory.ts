@@ -48,6 +48,8 @@ export class MemoryStorage implements IdempotencyStorage {
   readonly #leases = new Map<string, Lease>()
   readonly #entries: LRUCache<string, Entry>
   readonly #now: () => number
+  /** Callbacks of requests waiting for a key's lease to end (see `waitFor`). */
+  readonly #waiters = new Map<string, Set<() => void>>()
   #writes = 0
 
   constructor (options: MemoryStorageOptions = {}) {
@@ -104,6 +106,7 @@ export class MemoryStorage implements IdempotencyStorage {
     if (lease === undefined) return false
     this.#leases.delete(key)
     this.#entries.set(key, { fingerprint: lease.fingerprint, response, expiresAt: this.#now() + expiration }, { ttl: expiration })
+    this.#notify(key)
     if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
     return true
   }
@@ -111,6 +114,7 @@ export class MemoryStorage implements IdempotencyStorage {
   async release (key: string, token: string): Promise<boolean> {
     if (this.#heldLease(key, token) === undefined) return false
     this.#leases.delete(key)
+    this.#notify(key)
     return true
   }
 
@@ -121,9 +125,34 @@ export class MemoryStorage implements IdempotencyStorage {
     return true
   }
 
+  async waitFor (key: string, timeout: number): Promise<void> {
+    const lease = this.#leases.get(key)
+    if (lease === undefined) return
+    const wait = Math.min(timeout, lease.expiresAt - this.#now())
+    if (wait <= 0) return
+    await new Promise<void>((resolve) => {
+      let waiters = this.#waiters.get(key)
+      if (waiters === undefined) this.#waiters.set(key, (waiters = new Set()))
+      const done = (): void => {
+        clearTimeout(timer)
+        waiters.delete(done)
+        if (waiters.size === 0 && this.#waiters.get(key) === waiters) this.#waiters.delete(key)
+        resolve()
+      }
+      const timer = setTimeout(done, wait)
+      waiters.add(done)
+    })
+  }
+
   async close (): Promise<void> {
+    for (const waiters of this.#waiters.values()) for (const done of waiters) done()
     this.#leases.clear()
     this.#entries.clear()
+  }
+
+  #notify (key: string): void {
+    const waiters = this.#waiters.get(key)
+    if (waiters !== undefined) for (const done of waiters) done()
   }
 
   #heldLease (key: string, token: string): Lease | undefined {

@@ -65,6 +65,15 @@ export interface IdempotencyStorage {
   /** Extend the lease to `lockTimeout` ms from now, only if `token` still holds it. */
   renew (key: string, token: string, lockTimeout: number): Promise<boolean>
 
+  /**
+   * Optional: resolve once the lease on `key` may have ended (completed, released or lapsed), or
+   * after `timeout` ms, whichever comes first; resolving early is allowed (the caller asks `begin`
+   * again). It must not miss an end that happens after the call starts: subscribe first, then
+   * check. Providers that can wait on an event (in-process events, Redis pub/sub, PostgreSQL
+   * LISTEN/NOTIFY) implement it; without it the plugin polls `begin` with a bounded back-off.
+   */
+  waitFor? (key: string, timeout: number): Promise<void>
+
   /** Free what the provider created itself. Never closes a client it was given. */
   close? (): Promise<void>
 }

@@ -1,0 +1,142 @@
+/**
+ * Store failures as the plugin sees them: a store that throws. (Real outages of each real store,
+ * through a proxy or a private server, are in the store test files.)
+ */
+import { describe, expect, it } from 'vitest'
+import { Writable } from 'node:stream'
+import Fastify from 'fastify'
+import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
+import { newKey } from './helpers/app.js'
+
+type Method = 'begin' | 'complete' | 'release' | 'renew'
+
+/** A MemoryStorage whose chosen methods fail while `down` holds them. */
+function breakable () {
+  const inner = new MemoryStorage()
+  const down = new Set<Method>()
+  const guard = <T>(method: Method, call: () => Promise<T>): Promise<T> =>
+    down.has(method) ? Promise.reject(new Error(`connect ECONNREFUSED (${method})`)) : call()
+  const storage: IdempotencyStorage = {
+    begin: (k, f, l) => guard('begin', () => inner.begin(k, f, l)),
+    complete: (k, t, r, e) => guard('complete', () => inner.complete(k, t, r, e)),
+    release: (k, t) => guard('release', () => inner.release(k, t)),
+    renew: (k, t, l) => guard('renew', () => inner.renew(k, t, l))
+  }
+  return { storage, down, inner }
+}
+
+async function appWith (storage: IdempotencyStorage, options: IdempotencyOptions = {}) {
+  const logs: Array<{ level: number, msg: string }> = []
+  const stream = new Writable({ write (chunk, _enc, cb) { logs.push(JSON.parse(String(chunk))); cb() } })
+  const app = Fastify({ logger: { level: 'info', stream } })
+  await app.register(idempotency, { storage, ...options })
+  app.setErrorHandler(idempotencyErrorHandler())
+  let runs = 0
+  app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; reply.code(201); return { run: runs } })
+  await app.ready()
+  const post = (key: string) => app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { a: 1 } })
+  return { app, post, logs, runs: () => runs }
+}
+
+describe('store failures', () => {
+  it('fails closed: 503 problem+json with Retry-After, and the handler does not run', async () => {
+    const { storage, down } = breakable()
+    down.add('begin')
+    const t = await appWith(storage)
+    const res = await t.post(newKey())
+    expect(res.statusCode).toBe(503)
+    expect(res.headers['content-type']).toMatch(/^application\/problem\+json/)
+    expect(res.headers['retry-after']).toBe('1')
+    expect(res.json().type).toMatch(/#store-unavailable$/)
+    expect(res.body).not.toContain('ECONNREFUSED')
+    expect(t.runs()).toBe(0)
+  })
+
+  it('with failOpen, runs the handler unprotected and logs a warning', async () => {
+    const { storage, down } = breakable()
+    down.add('begin')
+    const t = await appWith(storage, { failOpen: true })
+    const key = newKey()
+    expect((await t.post(key)).statusCode).toBe(201)
+    expect((await t.post(key)).statusCode).toBe(201)
+    expect(t.runs()).toBe(2)
+    expect(t.logs.some((line) => line.level === 40 && /failOpen/.test(line.msg))).toBe(true)
+  })
+
+  it('recovers without a restart when the store comes back', async () => {
+    const { storage, down } = breakable()
+    const t = await appWith(storage)
+    const key = newKey()
+    down.add('begin')
+    expect((await t.post(key)).statusCode).toBe(503)
+    down.delete('begin')
+    expect((await t.post(key)).statusCode).toBe(201)
+    expect((await t.post(key)).headers['idempotent-replayed']).toBe('true')
+    expect(t.runs()).toBe(1)
+  })
+
+  it('still answers the client when storing fails after the handler ran, logs it, and leaves no entry', async () => {
+    const { storage, down } = breakable()
+    const t = await appWith(storage, { lockTimeout: 200 })
+    const key = newKey()
+    down.add('complete')
+    const res = await t.post(key)
+    expect(res.statusCode).toBe(201)
+    expect(res.json()).toEqual({ run: 1 })
+    expect(t.logs.some((line) => line.level === 50 && /sent but not stored/.test(line.msg))).toBe(true)
+    down.delete('complete')
+    // The lease the failed store still holds lapses after lockTimeout; then the key runs anew.
+    expect((await t.post(key)).statusCode).toBe(409)
+    await new Promise((resolve) => setTimeout(resolve, 300))
+    const retry = await t.post(key)
+    expect(retry.statusCode).toBe(201)
+    expect(retry.headers['idempotent-replayed']).toBeUndefined()
+  })
+
+  it('still answers the client when releasing fails after an error response', async () => {
+    const { storage, down } = breakable()
+    const app = Fastify()
+    await app.register(idempotency, { storage })
+    app.post('/fails', { config: { idempotency: true } }, async () => { throw Object.assign(new Error('bad'), { statusCode: 422 }) })
+    down.add('release')
+    const res = await app.inject({ method: 'POST', url: '/fails', headers: { 'idempotency-key': newKey() }, payload: {} })
+    expect(res.statusCode).toBe(422)
+  })
+
+  it('logs a warning when the lease was lost before the response could be stored', async () => {
+    const { storage } = breakable()
+    const t = await appWith({ ...storage, complete: async () => false })
+    expect((await t.post(newKey())).statusCode).toBe(201)
+    expect(t.logs.some((line) => line.level === 40 && /lease was lost/.test(line.msg))).toBe(true)
+  })
+
+  it('renews the lease of a long handler so a retry is not let in', async () => {
+    const renewals: number[] = []
+    const inner = new MemoryStorage()
+    const storage: IdempotencyStorage = {
+      begin: (k, f, l) => inner.begin(k, f, l),
+      complete: (k, t, r, e) => inner.complete(k, t, r, e),
+      release: (k, t) => inner.release(k, t),
+      renew: async (k, t, l) => { renewals.push(Date.now()); return inner.renew(k, t, l) }
+    }
+    const app = Fastify()
+    await app.register(idempotency, { storage, lockTimeout: 150 })
+    app.setErrorHandler(idempotencyErrorHandler())
+    let runs = 0
+    let open!: () => void
+    const gate = new Promise<void>((resolve) => { open = resolve })
+    app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate; return { ok: true } })
+    const key = newKey()
+    const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
+    while (renewals.length < 4) await new Promise((resolve) => setTimeout(resolve, 20))
+    // 4 renewals at lockTimeout/3 = 200 ms in: without them the 150 ms lease would have lapsed.
+    const retry = await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
+    expect(retry.statusCode).toBe(409)
+    open()
+    expect((await first).statusCode).toBe(200)
+    expect(runs).toBe(1)
+    const count = renewals.length
+    await new Promise((resolve) => setTimeout(resolve, 200))
+    expect(renewals.length).toBe(count)
+  })
+})
