@@ -1,5 +1,90 @@
-import { describe, it, beforeEach, afterAll } from 'vitest'
+import { describe, it, beforeEach, afterAll, expect } from 'vitest'
+import Fastify from 'fastify'
+import { request } from 'node:http'
 import { storageConformance } from '../lib/storage/conformance.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
+import idempotency from '../lib/index.js'
 
 storageConformance('memory', () => new MemoryStorage(), { describe, it, beforeEach, afterAll })
+
+const response = (bytes: number) => ({ statusCode: 201, contentType: 'application/json', headers: {}, body: Buffer.alloc(bytes, 1) })
+
+describe('MemoryStorage bounds', () => {
+  it('keeps at most maxEntries stored responses under 100 000 unique keys, evicting the least recently used', async () => {
+    const storage = new MemoryStorage({ maxEntries: 1000 })
+    for (let i = 0; i < 100_000; i++) {
+      const begun = await storage.begin(`k${i}`, 'fp', 60_000)
+      if (begun.state !== 'acquired') throw new Error('expected a lease')
+      await storage.complete(`k${i}`, begun.token, response(10), 60_000)
+      if (i === 50_000) expect((await storage.begin('k49500', 'fp', 1)).state).toBe('completed')
+    }
+    expect(storage.size).toBeLessThanOrEqual(1000)
+    expect(storage.leases).toBe(0)
+    expect((await storage.begin('k99999', 'fp', 1)).state).toBe('completed')
+    expect((await storage.begin('k0', 'fp', 60_000)).state).toBe('acquired')
+  })
+
+  it('keeps at most maxBytes of stored responses', async () => {
+    const storage = new MemoryStorage({ maxBytes: 100_000 })
+    for (let i = 0; i < 1000; i++) {
+      const begun = await storage.begin(`k${i}`, 'fp', 60_000)
+      if (begun.state !== 'acquired') throw new Error('expected a lease')
+      await storage.complete(`k${i}`, begun.token, response(1000), 60_000)
+    }
+    expect(storage.calculatedSize).toBeLessThanOrEqual(100_000)
+    expect(storage.size).toBeGreaterThan(50)
+  })
+
+  it('never evicts a lease: a request in flight keeps its key under memory pressure', async () => {
+    const storage = new MemoryStorage({ maxEntries: 10 })
+    const held = await storage.begin('held', 'fp', 60_000)
+    expect(held.state).toBe('acquired')
+    for (let i = 0; i < 1000; i++) {
+      const begun = await storage.begin(`k${i}`, 'fp', 60_000)
+      if (begun.state === 'acquired') await storage.complete(`k${i}`, begun.token, response(10), 60_000)
+    }
+    expect((await storage.begin('held', 'fp', 60_000)).state).toBe('in-flight')
+  })
+
+  it('drops expired entries by the injected clock', async () => {
+    let now = 1_000_000
+    const storage = new MemoryStorage({ now: () => now })
+    const begun = await storage.begin('k', 'fp', 60_000)
+    if (begun.state !== 'acquired') throw new Error('expected a lease')
+    await storage.complete('k', begun.token, response(1), 1000)
+    now += 999
+    expect((await storage.begin('k', 'fp', 60_000)).state).toBe('completed')
+    now += 1
+    expect((await storage.begin('k', 'fp', 60_000)).state).toBe('acquired')
+  })
+
+  it('refuses nonsensical bounds', () => {
+    expect(() => new MemoryStorage({ maxEntries: 0 })).toThrow(/maxEntries/)
+    expect(() => new MemoryStorage({ maxBytes: 1.5 })).toThrow(/maxBytes/)
+  })
+
+  it('leaves no handle open after fastify.close()', async () => {
+    const count = () => process.getActiveResourcesInfo().filter((r) => r !== 'Timeout').length
+    const before = count()
+    const app = Fastify()
+    await app.register(idempotency)
+    app.post('/o', { config: { idempotency: true } }, async () => ({ ok: true }))
+    await app.listen({ host: '127.0.0.1', port: 0 })
+    const port = (app.server.address() as { port: number }).port
+    for (let i = 0; i < 20; i++) {
+      // agent: false, so the client side keeps no socket open either.
+      await new Promise<void>((resolve, reject) => {
+        const req = request({ host: '127.0.0.1', port, method: 'POST', path: '/o', agent: false, headers: { 'idempotency-key': `k${i % 10}`, 'content-type': 'application/json' } }, (res) => { res.resume(); res.socket.once('close', () => resolve()) })
+        req.on('error', reject)
+        req.end('{}')
+      })
+    }
+    await app.close()
+    // The server's handle is freed on the tick after close() resolves.
+    await new Promise((resolve) => setTimeout(resolve, 10))
+    const timers = process.getActiveResourcesInfo().filter((r) => r === 'Timeout')
+    expect(count(), JSON.stringify(process.getActiveResourcesInfo())).toBeLessThanOrEqual(before)
+    // Renewal timers are cleared when a request settles, and all are unref'd anyway.
+    expect(timers.length).toBeLessThanOrEqual(2)
+  })
+})
