@@ -37,14 +37,14 @@ export function snapshotResponse (reply: FastifyReply, excludedHeaders: Readonly
  * for it, so the entry is stored before the client sees the response end), or with `null` as soon
  * as the body outgrows `maxBytes`, or when the stream fails or the client goes away.
  */
-export function captureStream (source: Readable, maxBytes: number, settle: (body: Buffer | null) => Promise<void>): Transform {
+export function captureStream (source: Readable, maxBytes: number, settle: (body: Buffer | null, why: 'too-large' | 'interrupted') => Promise<void>): Transform {
   let chunks: Buffer[] | null = []
   let size = 0
   let settled = false
-  const settleOnce = (body: Buffer | null): Promise<void> => {
+  const settleOnce = (body: Buffer | null, why: 'too-large' | 'interrupted'): Promise<void> => {
     if (settled) return Promise.resolve()
     settled = true
-    return settle(body)
+    return settle(body, why)
   }
   const tee = new Transform({
     transform (chunk: Buffer, _encoding, callback) {
@@ -52,7 +52,7 @@ export function captureStream (source: Readable, maxBytes: number, settle: (body
         size += chunk.length
         if (size > maxBytes) {
           chunks = null
-          void settleOnce(null)
+          void settleOnce(null, 'too-large')
         } else {
           chunks.push(chunk)
         }
@@ -60,10 +60,10 @@ export function captureStream (source: Readable, maxBytes: number, settle: (body
       callback(null, chunk)
     },
     flush (callback) {
-      settleOnce(chunks === null ? null : Buffer.concat(chunks, size)).then(() => callback(), () => callback())
+      settleOnce(chunks === null ? null : Buffer.concat(chunks, size), 'too-large').then(() => callback(), () => callback())
     }
   })
-  tee.once('close', () => { void settleOnce(null) })
+  tee.once('close', () => { void settleOnce(null, 'interrupted') })
   // pipeline carries a source error into `tee` and a destroyed `tee` (client gone) back to the source.
   pipeline(source, tee, () => {})
   return tee

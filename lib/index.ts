@@ -64,6 +64,8 @@ export {
 } from './errors.js'
 export { idempotencyErrorHandler, toProblem } from './error-handler.js'
 export type { ErrorHandler, IdempotencyErrorHandlerOptions, IdempotencyProblem } from './error-handler.js'
+export { CHANNEL_PREFIX, channels } from './diagnostics.js'
+export type { IdempotencyEvent, IdempotencyOutcome } from './diagnostics.js'
 export { MemoryStorage } from './storage/memory.js'
 export type { MemoryStorageOptions } from './storage/memory.js'
 export type {

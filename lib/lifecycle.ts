@@ -17,6 +17,7 @@ import {
   IdempotencyRequestInProgressError,
   IdempotencyStoreUnavailableError
 } from './errors.js'
+import { channels, type IdempotencyEvent, type IdempotencyOutcome } from './diagnostics.js'
 import { computeFingerprint } from './fingerprint.js'
 import { readIdempotencyKey } from './key.js'
 import type { RouteSettings } from './options.js'
@@ -38,6 +39,8 @@ type Phase =
 interface RequestState {
   key: string
   phase: Phase
+  /** performance.now() when the plugin first went to the store for this request. */
+  started: number
   storageKey: string
   token: string
   renewal: NodeJS.Timeout | null
@@ -55,6 +58,22 @@ export interface RouteHooks {
 
 export function createRouteHooks (settings: RouteSettings, headerLabel: string): RouteHooks {
   const { storage } = settings
+  const storeName = storage.constructor.name
+
+  /** Publish an outcome; the event object is only built when someone listens. */
+  function emit (outcome: IdempotencyOutcome, request: FastifyRequest, state: RequestState, extra?: Partial<IdempotencyEvent>): void {
+    const channel = channels[outcome]
+    if (!channel.hasSubscribers) return
+    channel.publish({
+      outcome,
+      idempotencyKey: state.key,
+      method: request.method,
+      route: request.routeOptions.url ?? request.url,
+      store: storeName,
+      durationMs: performance.now() - state.started,
+      ...extra
+    } satisfies IdempotencyEvent)
+  }
 
   function onRequest (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
     let key
@@ -68,7 +87,7 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
       return
     }
-    (request as StatefulRequest)[kState] = { key, phase: 'idle', storageKey: '', token: '', renewal: null, replayWithoutType: false }
+    (request as StatefulRequest)[kState] = { key, phase: 'idle', started: 0, storageKey: '', token: '', renewal: null, replayWithoutType: false }
     done()
   }
 
@@ -86,16 +105,22 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     const fingerprint = computeFingerprint(request, settings.fingerprint)
     const storageKey = await scopedKey(request, state.key)
     const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
+    state.started = performance.now()
     for (let attempt = 0; ; attempt++) {
       let result
       try {
         result = await storage.begin(storageKey, fingerprint, settings.lockTimeout)
       } catch (error) {
-        if (!settings.failOpen) throw new IdempotencyStoreUnavailableError(state.key, error)
+        emit('store-error', request, state, { phase: 'begin', failOpen: settings.failOpen, error })
+        if (!settings.failOpen) {
+          request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency store unavailable: answering 503')
+          throw new IdempotencyStoreUnavailableError(state.key, error)
+        }
         request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency store unavailable: running the handler without protection (failOpen)')
         ;(request as StatefulRequest)[kState] = null
         return
       }
+      if (attempt > 0) emit('wait', request, state, { waitedMs: performance.now() - state.started })
       if (result.state === 'acquired') {
         state.phase = 'held'
         state.storageKey = storageKey
@@ -104,13 +129,23 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
         return
       }
       // A different request under this key is refused whether the first one finished or not.
-      if (result.fingerprint !== fingerprint) throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
+      if (result.fingerprint !== fingerprint) {
+        emit('mismatch', request, state)
+        request.log.debug({ idempotencyKey: state.key }, 'idempotency key reused with another fingerprint')
+        throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
+      }
       if (result.state === 'completed') {
+        emit('replay', request, state, { statusCode: result.response.statusCode })
+        request.log.debug({ idempotencyKey: state.key }, 'idempotency replay')
         replay(reply, state, result.response)
         return
       }
       const now = Date.now()
-      if (now >= waitUntil) throw new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - now) / 1000)
+      if (now >= waitUntil) {
+        emit('in-progress', request, state)
+        request.log.debug({ idempotencyKey: state.key }, 'idempotency key in progress')
+        throw new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - now) / 1000)
+      }
       await waitForLease(storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
     }
   }
@@ -147,8 +182,11 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     const renewEvery = Math.max(1, Math.floor(settings.lockTimeout / 3))
     state.renewal = setInterval(() => {
       storage.renew(state.storageKey, state.token, settings.lockTimeout).then((held) => {
-        if (!held && state.phase === 'held') request.log.warn({ idempotencyKey: state.key }, 'idempotency lease lost while the handler was running')
+        if (held || state.phase !== 'held') return
+        emit('lease-lost', request, state, { phase: 'renew' })
+        request.log.warn({ idempotencyKey: state.key }, 'idempotency lease lost while the handler was running')
       }, (error: unknown) => {
+        emit('store-error', request, state, { phase: 'renew', error })
         request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency lease renewal failed')
       })
     }, renewEvery)
@@ -158,23 +196,35 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       // Hijacked (or ended by hand): onSend will never run, so nothing can be stored. A client
       // that merely went away is different: the handler still runs, and onSend settles the lease
       // with its outcome, so a retry replays what was done instead of doing it again.
-      if (reply.sent) void settle(request, state, null)
+      if (reply.sent) void settle(request, reply, state, null, 'hijacked')
     })
   }
 
-  /** Store the response (or, with `null`, drop the lease). Never throws: the client gets its response regardless. */
-  async function settle (request: FastifyRequest, state: RequestState, response: StoredResponse | null): Promise<void> {
+  type NotStored = NonNullable<IdempotencyEvent['reason']>
+
+  /**
+   * Store the response, or with `null` drop the lease (`why` says why). Never throws: the client
+   * gets its response whatever the store does.
+   */
+  async function settle (request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse | null, why: NotStored = 'not-cacheable'): Promise<void> {
     state.phase = 'settling'
     if (state.renewal !== null) clearInterval(state.renewal)
+    let reason: NotStored | undefined = response === null ? why : undefined
+    const phase = response === null ? 'release' : 'complete'
     try {
       if (response === null) {
         await storage.release(state.storageKey, state.token)
       } else if (!await storage.complete(state.storageKey, state.token, response, settings.expiration)) {
+        reason = 'lease-lost'
+        emit('lease-lost', request, state, { phase })
         request.log.warn({ idempotencyKey: state.key }, 'idempotency lease was lost before the response was stored: this response was not stored')
       }
     } catch (error) {
-      request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency store failed after the handler ran: the response was sent but not stored')
+      if (response !== null) reason = 'store-error'
+      emit('store-error', request, state, { phase, error })
+      request.log.error({ err: error, idempotencyKey: state.key }, `idempotency store failed after the handler ran: the response was sent but ${response === null ? 'the key stays locked until its lease lapses' : 'not stored'}`)
     }
+    emit('execute', request, state, { statusCode: reply.statusCode, stored: reason === undefined, ...(reason === undefined ? {} : { reason }) })
   }
 
   async function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown): Promise<unknown> {
@@ -186,21 +236,22 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     }
     if (state.phase !== 'held') return payload
     if (!settings.cacheable.has(reply.statusCode)) {
-      await settle(request, state, null)
+      await settle(request, reply, state, null, 'not-cacheable')
       return payload
     }
     const bytes = payloadBytes(payload)
     if (bytes !== null) {
-      await settle(request, state, bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, settings.excludedHeaders, bytes))
+      if (bytes.length > settings.maxResponseBytes) await settle(request, reply, state, null, 'too-large')
+      else await settle(request, reply, state, snapshotResponse(reply, settings.excludedHeaders, bytes))
       return payload
     }
     if (isNodeStream(payload)) {
       state.phase = 'settling'
-      return captureStream(payload, settings.maxResponseBytes, (body) =>
-        settle(request, state, body === null ? null : snapshotResponse(reply, settings.excludedHeaders, body)))
+      return captureStream(payload, settings.maxResponseBytes, (body, why) =>
+        settle(request, reply, state, body === null ? null : snapshotResponse(reply, settings.excludedHeaders, body), why))
     }
     // A web stream or a Response: sent as it is, not stored.
-    await settle(request, state, null)
+    await settle(request, reply, state, null, 'not-capturable')
     return payload
   }
 

@@ -1,0 +1,53 @@
+/**
+ * Every outcome of a guarded request, published on `node:diagnostics_channel` so operators can
+ * count and time them (Prometheus, OpenTelemetry) without the plugin depending on either.
+ * Publishing costs one property read when nobody subscribes.
+ */
+import diagnostics from 'node:diagnostics_channel'
+
+export type IdempotencyOutcome =
+  /** The request took the lease and its handler ran; `stored` says whether its response was kept. */
+  | 'execute'
+  /** A stored response was replayed. */
+  | 'replay'
+  /** The key was reused with another fingerprint. */
+  | 'mismatch'
+  /** A duplicate arrived while the first request was in flight, and was answered 409. */
+  | 'in-progress'
+  /** A duplicate waited for the first request (wait mode); `waitedMs` says how long. */
+  | 'wait'
+  /** The lease was lost before the response could be stored (a lapsed lease taken over). */
+  | 'lease-lost'
+  /** The store failed; `phase` says where, `failOpen` whether the handler ran anyway. */
+  | 'store-error'
+
+export interface IdempotencyEvent {
+  outcome: IdempotencyOutcome
+  /** The client's key (unscoped). */
+  idempotencyKey: string
+  method: string
+  /** The route pattern, e.g. `/orders/:id`. */
+  route: string
+  /** The storage class, e.g. `RedisStorage`. */
+  store: string
+  /** Milliseconds since the plugin started on this request (first store call). */
+  durationMs: number
+  statusCode?: number
+  stored?: boolean
+  /** Why an executed request's response was not stored. */
+  reason?: 'not-cacheable' | 'too-large' | 'interrupted' | 'not-capturable' | 'hijacked' | 'lease-lost' | 'store-error'
+  waitedMs?: number
+  phase?: 'begin' | 'complete' | 'release' | 'renew'
+  failOpen?: boolean
+  error?: unknown
+}
+
+/** Channel names: `fastify-idempotency:<outcome>`. */
+export const CHANNEL_PREFIX = 'fastify-idempotency:'
+
+const outcomes: readonly IdempotencyOutcome[] = ['execute', 'replay', 'mismatch', 'in-progress', 'wait', 'lease-lost', 'store-error']
+
+/** One channel per outcome, so a subscriber listens to exactly what it counts. */
+export const channels = Object.fromEntries(
+  outcomes.map((outcome) => [outcome, diagnostics.channel(`${CHANNEL_PREFIX}${outcome}`)])
+) as Record<IdempotencyOutcome, diagnostics.Channel>
