@@ -35,7 +35,7 @@ export interface IdempotencyEvent {
   statusCode?: number
   stored?: boolean
   /** Why an executed request's response was not stored. */
-  reason?: 'not-cacheable' | 'too-large' | 'interrupted' | 'not-capturable' | 'hijacked' | 'lease-lost' | 'store-error'
+  reason?: 'failed' | 'not-cacheable' | 'too-large' | 'interrupted' | 'not-capturable' | 'hijacked' | 'lease-lost' | 'store-error'
   waitedMs?: number
   phase?: 'begin' | 'complete' | 'release' | 'renew'
   failOpen?: boolean

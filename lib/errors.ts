@@ -74,6 +74,17 @@ export class IdempotencyKeyInvalidError extends IdempotencyError {
   }
 }
 
+/** The request could not be fingerprinted (say, JSON nested too deeply to canonicalize). */
+export class IdempotencyFingerprintError extends IdempotencyError {
+  static override readonly type = `${PROBLEM_TYPE_BASE}#fingerprint-failed`
+  static override readonly title = 'Idempotency fingerprint failed'
+  readonly code = 'FST_IDEMPOTENCY_FINGERPRINT_FAILED'
+
+  constructor (idempotencyKey: string, cause: unknown) {
+    super('The request body could not be fingerprinted (for example, JSON nested too deeply); simplify it or send it without an Idempotency-Key.', 400, idempotencyKey, {}, { cause })
+  }
+}
+
 /** A request with this key and the same fingerprint is still being processed. */
 export class IdempotencyRequestInProgressError extends IdempotencyError {
   static override readonly type = `${PROBLEM_TYPE_BASE}#request-in-progress`

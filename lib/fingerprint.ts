@@ -122,12 +122,16 @@ function selectMembers (body: unknown, settings: FingerprintSettings): unknown {
   return body
 }
 
-function writeBody (hash: Hash, body: unknown, settings: FingerprintSettings): void {
-  if (body === undefined || body === null) {
+const JSON_TYPE = /^application\/(?:[\w.+-]+\+)?json\b/i
+
+function writeBody (hash: Hash, body: unknown, contentType: string | undefined, settings: FingerprintSettings): void {
+  if (body === undefined) {
     hash.update('n')
-  } else if (Buffer.isBuffer(body) || typeof body === 'string') {
+  } else if (Buffer.isBuffer(body) || (typeof body === 'string' && !(contentType !== undefined && JSON_TYPE.test(contentType)))) {
+    // Bytes as received: a text or binary body, or whatever a custom parser left as a Buffer.
     writePart(hash, 'r', body)
   } else {
+    // A parsed JSON value (a JSON string body included, so it differs from the same text as text/plain).
     writePart(hash, 'j', canonicalize(selectMembers(body, settings)) ?? '')
   }
 }
@@ -168,8 +172,9 @@ export function computeFingerprint (request: FastifyRequest, settings: Fingerpri
     writePart(hash, 'p', mark === -1 ? request.url : request.url.slice(0, mark))
   }
   if (settings.query) writeQuery(hash, request.url)
-  if (settings.contentType) writePart(hash, 'c', (request.headers['content-type'] ?? '').trim().toLowerCase())
+  const contentType = request.headers['content-type']
+  if (settings.contentType) writeHeader(hash, contentType?.trim().toLowerCase())
   for (const name of settings.headers) writeHeader(hash, request.headers[name])
-  if (settings.body) writeBody(hash, request.body, settings)
+  if (settings.body) writeBody(hash, request.body, contentType, settings)
   return hash.digest('base64url')
 }

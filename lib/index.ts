@@ -23,7 +23,8 @@ function appendHook<T> (existing: T | T[] | undefined, hook: T): T[] {
 const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) => {
   const base = normalizeOptions(options)
   const headerLabel = options.headerName ?? 'Idempotency-Key'
-  fastify.decorateRequest(kState as unknown as string, null)
+  // A second registration (in another encapsulated context, say) shares the decoration.
+  if (!fastify.hasRequestDecorator(kState as unknown as string)) fastify.decorateRequest(kState as unknown as string, null)
 
   fastify.addHook('onRoute', (routeOptions) => {
     const config = routeOptions.config?.idempotency
@@ -37,6 +38,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest) as RouteOptions['onRequest']
     routeOptions.preHandler = appendHook(routeOptions.preHandler, hooks.preHandler) as RouteOptions['preHandler']
     routeOptions.onSend = appendHook(routeOptions.onSend, hooks.onSend) as RouteOptions['onSend']
+    routeOptions.onError = appendHook(routeOptions.onError, hooks.onError) as RouteOptions['onError']
   })
 
   // Close only a store the plugin created itself.
@@ -54,6 +56,7 @@ export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from
 export type { FingerprintOptions } from './fingerprint.js'
 export {
   IdempotencyError,
+  IdempotencyFingerprintError,
   IdempotencyFingerprintMismatchError,
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,

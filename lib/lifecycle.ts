@@ -9,9 +9,10 @@
  * Hooks are created per route from that route's settings, so nothing here looks options up.
  */
 import { setTimeout as sleep } from 'node:timers/promises'
-import type { FastifyReply, FastifyRequest, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
+import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
 import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
 import {
+  IdempotencyFingerprintError,
   IdempotencyFingerprintMismatchError,
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
@@ -46,6 +47,8 @@ interface RequestState {
   renewal: NodeJS.Timeout | null
   /** The replayed response had no Content-Type; Fastify adds one to Buffers, so it is taken off again. */
   replayWithoutType: boolean
+  /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
+  failed: boolean
 }
 
 type StatefulRequest = FastifyRequest & { [kState]: RequestState | null }
@@ -54,6 +57,7 @@ export interface RouteHooks {
   onRequest: onRequestHookHandler
   preHandler: preHandlerAsyncHookHandler
   onSend: onSendHookHandler
+  onError: onErrorHookHandler
 }
 
 export function createRouteHooks (settings: RouteSettings, headerLabel: string): RouteHooks {
@@ -87,7 +91,7 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
       return
     }
-    (request as StatefulRequest)[kState] = { key, phase: 'idle', started: 0, storageKey: '', token: '', renewal: null, replayWithoutType: false }
+    (request as StatefulRequest)[kState] = { key, phase: 'idle', started: 0, storageKey: '', token: '', renewal: null, replayWithoutType: false, failed: false }
     done()
   }
 
@@ -99,10 +103,16 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     return `${scope}\n${key}`
   }
 
-  async function preHandler (request: FastifyRequest, reply: FastifyReply): Promise<void> {
+  async function preHandler (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | undefined> {
     const state = (request as StatefulRequest)[kState]
-    if (state === null) return
-    const fingerprint = computeFingerprint(request, settings.fingerprint)
+    if (state === null) return undefined
+    let fingerprint
+    try {
+      fingerprint = computeFingerprint(request, settings.fingerprint)
+    } catch (error) {
+      // Canonicalizing recurses: JSON nested deep enough overflows the stack. A 400, not a 500.
+      throw new IdempotencyFingerprintError(state.key, error)
+    }
     const storageKey = await scopedKey(request, state.key)
     const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
     state.started = performance.now()
@@ -118,7 +128,7 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
         }
         request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency store unavailable: running the handler without protection (failOpen)')
         ;(request as StatefulRequest)[kState] = null
-        return
+        return undefined
       }
       if (attempt > 0) emit('wait', request, state, { waitedMs: performance.now() - state.started })
       if (result.state === 'acquired') {
@@ -126,7 +136,7 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
         state.storageKey = storageKey
         state.token = result.token
         holdLease(request, reply, state)
-        return
+        return undefined
       }
       // A different request under this key is refused whether the first one finished or not.
       if (result.fingerprint !== fingerprint) {
@@ -138,7 +148,9 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
         emit('replay', request, state, { statusCode: result.response.statusCode })
         request.log.debug({ idempotencyKey: state.key }, 'idempotency replay')
         replay(reply, state, result.response)
-        return
+        // Returning the reply tells Fastify the response is under way: without it, Fastify goes on
+        // to the handler whenever the send is still pending (any asynchronous onSend hook).
+        return reply
       }
       const now = Date.now()
       if (now >= waitUntil) {
@@ -193,10 +205,17 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     state.renewal.unref()
     reply.raw.once('close', () => {
       if (state.phase !== 'held') return
-      // Hijacked (or ended by hand): onSend will never run, so nothing can be stored. A client
-      // that merely went away is different: the handler still runs, and onSend settles the lease
-      // with its outcome, so a retry replays what was done instead of doing it again.
-      if (reply.sent) void settle(request, reply, state, null, 'hijacked')
+      // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.
+      if (reply.sent) {
+        void settle(request, reply, state, null, 'hijacked')
+        return
+      }
+      // The client went away while the handler runs. The lease stays, so a retry does not run the
+      // handler a second time alongside it, and onSend settles it with the handler's outcome (a
+      // retry then replays what was done). Renewal stops, though: a handler that never answers
+      // frees the key once lockTimeout has passed instead of holding it for ever.
+      if (state.renewal !== null) clearInterval(state.renewal)
+      state.renewal = null
     })
   }
 
@@ -235,8 +254,8 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       return payload
     }
     if (state.phase !== 'held') return payload
-    if (!settings.cacheable.has(reply.statusCode)) {
-      await settle(request, reply, state, null, 'not-cacheable')
+    if (state.failed || !settings.cacheable.has(reply.statusCode)) {
+      await settle(request, reply, state, null, state.failed ? 'failed' : 'not-cacheable')
       return payload
     }
     const bytes = payloadBytes(payload)
@@ -255,5 +274,11 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     return payload
   }
 
-  return { onRequest, preHandler, onSend: onSend as onSendHookHandler }
+  function onError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
+    const state = (request as StatefulRequest)[kState]
+    if (state !== null) state.failed = true
+    done()
+  }
+
+  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError }
 }

@@ -212,6 +212,7 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
   check(validateOptions(options), validateOptions.errors, context, 'options')
   checkScope(options.scope, context)
   if (options.storage !== undefined) checkStorage(options.storage)
+  checkWaitTimeout(options.wait === true, options.waitTimeout, context)
   const replayHeader = options.replayHeader ?? 'Idempotent-Replayed'
   const excluded = new Set(ALWAYS_EXCLUDED_HEADERS)
   if (options.replaySetCookie !== true) excluded.add('set-cookie')
@@ -237,8 +238,16 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
   }
 }
 
+/** A waitTimeout where nothing waits is a mistake worth a start-up error, not a silent no-op. */
+function checkWaitTimeout (wait: boolean, waitTimeout: unknown, context: string): void {
+  if (!wait && waitTimeout !== undefined) {
+    throw new TypeError(`fastify-idempotency: invalid ${context}: waitTimeout is set but wait is not true`)
+  }
+}
+
 function routeWaitTimeout (base: RouteSettings, route: IdempotencyRouteOptions, context: string): number {
   const wait = route.wait ?? base.waitTimeout > 0
+  checkWaitTimeout(wait, route.waitTimeout, context)
   if (!wait) return 0
   if (route.waitTimeout !== undefined) return toMilliseconds(route.waitTimeout, 'waitTimeout', context)
   return base.waitTimeout > 0 ? base.waitTimeout : DEFAULT_WAIT_TIMEOUT

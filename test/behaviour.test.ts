@@ -5,7 +5,8 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { Readable } from 'node:stream'
 import { setTimeout as sleep } from 'node:timers/promises'
-import { IdempotencyFingerprintMismatchError } from '../lib/index.js'
+import Fastify from 'fastify'
+import idempotency, { IdempotencyFingerprintMismatchError, idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyOptions } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { buildApp, newKey, type Handler } from './helpers/app.js'
@@ -315,6 +316,62 @@ for (const store of cases) {
       expect(Date.now() - before).toBeGreaterThanOrEqual(280)
       open()
       await first
+    })
+
+    it('does not run the handler on a replay when other onSend hooks are asynchronous', async () => {
+      const instance = Fastify()
+      await instance.register(idempotency, { storage })
+      instance.setErrorHandler(idempotencyErrorHandler())
+      // An app-wide asynchronous onSend hook (compression, signing, ...) delays the replay's send.
+      instance.addHook('onSend', async (_request, _reply, payload) => { await new Promise((resolve) => setImmediate(resolve)); return payload })
+      let runs = 0
+      instance.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; reply.code(201); return { run: runs } })
+      const key = newKey()
+      const send = () => instance.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { a: 1 } })
+      await send()
+      const replay = await send()
+      expect(replay.headers['idempotent-replayed']).toBe('true')
+      expect(replay.json()).toEqual({ run: 1 })
+      expect(runs).toBe(1)
+      await instance.close()
+    })
+
+    it('does not store a thrown error even when the error handler answers with a cacheable status', async () => {
+      const t = await app({ addCacheableStatusCodes: [409] }, {
+        '/conflict': (_req, _reply, run) => { if (run === 1) throw Object.assign(new Error('taken'), { statusCode: 409 }); return { run } }
+      })
+      const key = newKey()
+      expect((await post(t, key, {}, { url: '/conflict' })).statusCode).toBe(409)
+      const retry = await post(t, key, {}, { url: '/conflict' })
+      expect(retry.statusCode).toBe(200)
+      expect(retry.json()).toEqual({ run: 2 })
+    })
+
+    it('answers a body too deeply nested to fingerprint with 400 problem+json, not 500', async () => {
+      const t = await app()
+      const deep = '['.repeat(20_000) + ']'.repeat(20_000)
+      const res = await post(t, newKey(), deep, { headers: { 'content-type': 'application/json' } })
+      expect(res.statusCode).toBe(400)
+      expect(res.json().type).toMatch(/#fingerprint-failed$/)
+      expect(t.runs.get('/orders')).toBeUndefined()
+    })
+
+    it('works when registered in two encapsulated contexts', async () => {
+      const instance = Fastify()
+      instance.setErrorHandler(idempotencyErrorHandler())
+      let runs = 0
+      for (const prefix of ['/a', '/b']) {
+        await instance.register(async (child) => {
+          await child.register(idempotency, { storage })
+          child.post('/orders', { config: { idempotency: true } }, async () => ({ run: ++runs }))
+        }, { prefix })
+      }
+      const key = newKey()
+      for (const url of ['/a/orders', '/a/orders', '/b/orders']) {
+        await instance.inject({ method: 'POST', url, headers: { 'idempotency-key': key }, payload: {} })
+      }
+      expect(runs).toBe(1)
+      await instance.close()
     })
 
     it('passes a request without a key through, unprotected, unless the route requires one', async () => {

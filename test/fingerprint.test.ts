@@ -50,9 +50,19 @@ describe('fingerprint', () => {
     expect(fp({ body: '{"a":1}' })).not.toBe(fp({ body: { a: 1 } }))
   })
 
-  it('treats an absent body apart from an empty one', () => {
-    expect(fp({ body: undefined })).toBe(fp({ body: null }))
+  it('tells an absent body from an empty one and from a JSON null', () => {
+    expect(fp({ body: undefined })).not.toBe(fp({ body: null }))
     expect(fp({ body: undefined })).not.toBe(fp({ body: '' }))
+  })
+
+  it('tells a JSON string body from the same text sent as text', () => {
+    const json = { 'content-type': 'application/json' }
+    expect(fp({ body: 'abc', headers: json })).not.toBe(fp({ body: 'abc', headers: { 'content-type': 'text/plain' } }))
+    expect(fp({ body: 'abc', headers: { 'content-type': 'application/problem+json' } })).toBe(fp({ body: 'abc', headers: json }))
+  })
+
+  it('tells a missing Content-Type from an empty one', () => {
+    expect(fp({ headers: {} }, { contentType: true })).not.toBe(fp({ headers: { 'content-type': '' } }, { contentType: true }))
   })
 
   it('includes only the selected components, and each changes it when selected', () => {

@@ -123,6 +123,35 @@ describe('over real HTTP', () => {
     expect(runs).toBe(1)
   })
 
+  it('frees the key of a handler that never answers once its client has gone and lockTimeout has passed', async () => {
+    app = Fastify()
+    await app.register(idempotency, { lockTimeout: 300 })
+    app.setErrorHandler(idempotencyErrorHandler())
+    let runs = 0
+    let started!: () => void
+    const running = new Promise<void>((resolve) => { started = resolve })
+    app.post('/orders', { config: { idempotency: true } }, async () => {
+      runs++
+      if (runs === 1) { started(); await new Promise(() => {}) }
+      return { run: runs }
+    })
+    await app.listen({ host: '127.0.0.1', port: 0 })
+    const port = (app.server.address() as { port: number }).port
+    const key = newKey()
+    const hung = httpRequest({ host: '127.0.0.1', port, method: 'POST', path: '/orders', headers: { 'content-type': 'application/json', 'idempotency-key': key, 'content-length': 2 } })
+    hung.on('error', () => {})
+    hung.end('{}')
+    await running
+    const closed = new Promise((resolve) => hung.once('close', resolve))
+    hung.destroy()
+    await closed
+    // The lease is time-based: past lockTimeout (with renewal stopped) the key is free again.
+    await new Promise((resolve) => setTimeout(resolve, 700))
+    const retry = await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, payload: '{}' })
+    expect(retry.statusCode).toBe(200)
+    expect(retry.json()).toEqual({ run: 2 })
+  })
+
   it('gives unflagged routes no hook at all, and lets them behave as if the plugin were absent', async () => {
     app = Fastify()
     await app.register(idempotency, { required: true })

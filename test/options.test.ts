@@ -56,7 +56,8 @@ describe('options are validated when the plugin is registered', () => {
     ['a pointer without a slash', { fingerprint: { body: { include: ['amount'] } } }, /fingerprint\.body\.include\.0 must match pattern "\^\/"/],
     ['include and exclude together', { fingerprint: { body: { include: ['/a'], exclude: ['/b'] } } }, /fingerprint\.body/],
     ['a storage missing methods', { storage: { begin () {} } }, /storage must implement IdempotencyStorage \(missing complete, release, renew\)/],
-    ['a scope that is not a function', { scope: 'tenant' }, /scope must be a function/]
+    ['a scope that is not a function', { scope: 'tenant' }, /scope must be a function/],
+    ['a waitTimeout without wait', { waitTimeout: '5s' }, /waitTimeout is set but wait is not true/]
   ]
   for (const [name, options, message] of bad) {
     it(`refuses ${name}`, async () => {
@@ -76,6 +77,11 @@ describe('route config is validated when the route is added', () => {
     await expect(addRoute({ requird: true })).rejects.toThrow(/config\.idempotency of route POST \/pay: config\.idempotency has an unknown property 'requird'/)
     await expect(addRoute({ expiration: 'soon' })).rejects.toThrow(/route POST \/pay: expiration must be/)
     await expect(addRoute('yes')).rejects.toThrow(/route POST \/pay: it must be true, false or an object/)
+  })
+
+  it('refuses a waitTimeout on a route that does not wait', async () => {
+    await expect(addRoute({ waitTimeout: 100 })).rejects.toThrow(/route POST \/pay: waitTimeout is set but wait is not true/)
+    await expect(addRoute({ wait: true, waitTimeout: 100 })).resolves.toBeUndefined()
   })
 
   it('refuses plugin-wide options that make no sense per route', async () => {

@@ -67,8 +67,9 @@ export interface IdempotencyStorage {
 
   /**
    * Optional: resolve once the lease on `key` may have ended (completed, released or lapsed), or
-   * after `timeout` ms, whichever comes first; resolving early is allowed (the caller asks `begin`
-   * again). It must not miss an end that happens after the call starts: subscribe first, then
+   * after `timeout` ms, whichever comes first. Resolving early is allowed when the key's state may
+   * have changed (the caller asks `begin` again), never as a matter of course, which would turn
+   * waiting into busy polling. It must not miss an end that happens after the call starts: subscribe first, then
    * check. Providers that can wait on an event (in-process events, Redis pub/sub, PostgreSQL
    * LISTEN/NOTIFY) implement it; without it the plugin polls `begin` with a bounded back-off.
    */

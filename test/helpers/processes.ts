@@ -1,0 +1,73 @@
+/**
+ * Several server processes (test/fixtures/server.ts) sharing one store, for the tests that prove
+ * exactly-once execution across processes and survive a SIGKILL.
+ */
+import { spawn, type ChildProcess } from 'node:child_process'
+import { createInterface } from 'node:readline'
+import { fileURLToPath } from 'node:url'
+
+const fixture = fileURLToPath(new URL('../fixtures/server.ts', import.meta.url))
+
+export interface ServerProcess {
+  port: number
+  url: string
+  child: ChildProcess
+  /** Resolves with the key once a request with `x-hang: 1` has entered the handler. */
+  hanging: (key: string) => Promise<void>
+  kill: (signal?: NodeJS.Signals) => Promise<void>
+}
+
+export async function startServer (env: Record<string, string>): Promise<ServerProcess> {
+  const child = spawn(process.execPath, ['--import', 'tsx', fixture], {
+    env: { ...process.env, ...env },
+    stdio: ['ignore', 'pipe', 'pipe']
+  })
+  const hangingKeys = new Set<string>()
+  const hangWaiters = new Map<string, () => void>()
+  let stderr = ''
+  child.stderr!.on('data', (chunk: Buffer) => { stderr += chunk.toString() })
+  const lines = createInterface({ input: child.stdout! })
+  const port = await new Promise<number>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`server did not start within 30 s: ${stderr}`)), 30_000)
+    child.once('exit', (code) => { clearTimeout(timer); reject(new Error(`server exited with ${code}: ${stderr}`)) })
+    lines.on('line', (line) => {
+      const [word, value] = line.split(' ')
+      if (word === 'LISTENING') { clearTimeout(timer); resolve(Number(value)) }
+      if (word === 'HANGING' && value !== undefined) {
+        hangingKeys.add(value)
+        hangWaiters.get(value)?.()
+      }
+    })
+  })
+  const exited = new Promise<void>((resolve) => { child.once('exit', () => resolve()) })
+  return {
+    port,
+    url: `http://127.0.0.1:${port}`,
+    child,
+    hanging: (key) => hangingKeys.has(key) ? Promise.resolve() : new Promise<void>((resolve) => hangWaiters.set(key, resolve)),
+    kill: async (signal = 'SIGTERM') => {
+      if (child.exitCode === null && child.signalCode === null) child.kill(signal)
+      await exited
+    }
+  }
+}
+
+export async function startServers (count: number, env: Record<string, string>): Promise<ServerProcess[]> {
+  return Promise.all(Array.from({ length: count }, () => startServer(env)))
+}
+
+export interface Answer { status: number, body: string, replayed: boolean }
+
+export async function postOrder (server: ServerProcess, key: string, body: object, headers: Record<string, string> = {}): Promise<Answer> {
+  const res = await fetch(`${server.url}/orders`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', 'idempotency-key': key, ...headers },
+    body: JSON.stringify(body)
+  })
+  return { status: res.status, body: await res.text(), replayed: res.headers.get('idempotent-replayed') === 'true' }
+}
+
+export async function effectCount (server: ServerProcess, key: string): Promise<number> {
+  const res = await fetch(`${server.url}/effects?key=${encodeURIComponent(key)}`)
+  return ((await res.json()) as { count: number }).count
+}
