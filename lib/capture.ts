@@ -33,18 +33,19 @@ export function snapshotResponse (reply: FastifyReply, excludedHeaders: Readonly
 
 /**
  * Pass a stream through unchanged while keeping a copy of up to `maxBytes` of it. `settle` is
- * called exactly once: with the whole body after the last chunk (the end of the response waits
- * for it, so the entry is stored before the client sees the response end), or with `null` as soon
- * as the body outgrows `maxBytes`, or when the stream fails or the client goes away.
+ * called exactly once: with the whole body after the last chunk, or with `null` as soon as the
+ * body outgrows `maxBytes`, or when the stream fails or the client goes away. The end of the
+ * response waits for it either way, so the store is up to date before the client sees the end.
  */
 export function captureStream (source: Readable, maxBytes: number, settle: (body: Buffer | null, why: 'too-large' | 'interrupted') => Promise<void>): Transform {
   let chunks: Buffer[] | null = []
   let size = 0
-  let settled = false
+  let settling: Promise<void> | null = null
+  // Later calls get the first call's promise, so the response's end still waits for a release
+  // that began mid-stream (a client retrying at once then finds the key free).
   const settleOnce = (body: Buffer | null, why: 'too-large' | 'interrupted'): Promise<void> => {
-    if (settled) return Promise.resolve()
-    settled = true
-    return settle(body, why)
+    settling ??= settle(body, why)
+    return settling
   }
   const tee = new Transform({
     transform (chunk: Buffer, _encoding, callback) {
