@@ -5,6 +5,7 @@
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
 import { createRouteHooks, kState } from './lifecycle.js'
+import { documentRoute } from './openapi.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
 
 declare module 'fastify' {
@@ -26,13 +27,15 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   // A second registration (in another encapsulated context, say) shares the decoration.
   if (!fastify.hasRequestDecorator(kState as unknown as string)) fastify.decorateRequest(kState as unknown as string, null)
 
-  fastify.addHook('onRoute', (routeOptions) => {
+  fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
     if (config === undefined) return
     const method = Array.isArray(routeOptions.method) ? routeOptions.method.join(',') : routeOptions.method
     const settings = routeSettings(base, config, `${method} ${routeOptions.url}`)
     if (settings === null) return
     const hooks = createRouteHooks(settings, headerLabel)
+    // Only when @fastify/swagger is there to read it: a header schema also means validation work.
+    if (this.hasDecorator('swagger')) documentRoute(routeOptions, settings, headerLabel)
     // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
     // and a replay is never served to a request they would have refused.
     routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest) as RouteOptions['onRequest']
