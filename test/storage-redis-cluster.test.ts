@@ -1,0 +1,129 @@
+import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest'
+import { Cluster, Redis } from 'ioredis'
+import type { ClusterOptions } from 'ioredis'
+import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
+import { RedisStorage } from '../lib/storage/redis.js'
+import type { StoredResponse } from '../lib/storage/types.js'
+import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
+
+const availability = redisClusterAvailability()
+const PREFIX = `test:redis-cluster-storage:${process.pid}:${Date.now()}:`
+const LEASE = 30_000
+const EXPIRY = 60_000
+
+const response: StoredResponse = {
+  statusCode: 200,
+  contentType: 'text/plain',
+  headers: {},
+  body: Buffer.from('ok')
+}
+
+describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Cluster' + availability.reason, () => {
+  let cluster: RedisClusterHandle | undefined
+  const clients: Cluster[] = []
+  let client: Cluster
+  let pipelined: Cluster
+
+  function newCluster (extra: ClusterOptions = {}): Cluster {
+    const created = new Cluster(cluster!.nodes, { redisOptions: { maxRetriesPerRequest: 1 }, ...extra })
+    clients.push(created)
+    return created
+  }
+
+  beforeAll(async () => {
+    cluster = await startRedisCluster()
+    client = newCluster()
+    pipelined = newCluster({ enableAutoPipelining: true })
+  }, 60_000)
+
+  afterAll(async () => {
+    try {
+      await Promise.all(clients.map((c) => c.quit().catch(() => undefined)))
+    } finally {
+      await cluster?.stop()
+    }
+  }, 30_000)
+
+  const harness = { describe, it, beforeEach, afterAll }
+  storageConformance('redis cluster', () => new RedisStorage({ client, prefix: PREFIX }), harness)
+  storageConformance('redis cluster with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness)
+
+  /** A plain connection to one of the nodes, for commands that are about the node itself. */
+  async function withNode<T> (fn: (node: Redis) => Promise<T>): Promise<T> {
+    const node = new Redis(cluster!.nodes[0]!)
+    try {
+      return await fn(node)
+    } finally {
+      await node.quit()
+    }
+  }
+
+  it('hashes the whole escaped key, and only it, whatever braces the key contains', async () => {
+    const a = new RedisStorage({ client, prefix: PREFIX + 'slots-a:' })
+    const b = new RedisStorage({ client, prefix: PREFIX + 'slots-b:' })
+    const keys = [...HOSTILE_KEYS, '{x}a', '{x}b', 'a}b{c', '}{x', 'tenant:{1}:order-7']
+    await withNode(async (node) => {
+      const slots = new Set<number>()
+      for (const key of keys) {
+        const slot = await node.cluster('KEYSLOT', a.redisKey(key)) as number
+        // The prefix takes no part in the slot, and the user's braces open no tag of their own.
+        expect(await node.cluster('KEYSLOT', b.redisKey(key))).toBe(slot)
+        const tag = a.redisKey(key).slice((PREFIX + 'slots-a:{').length, -1)
+        expect(await node.cluster('KEYSLOT', tag)).toBe(slot)
+        slots.add(slot)
+      }
+      // Had the user's `{x}` become the tag, these two would share a slot.
+      expect(await node.cluster('KEYSLOT', a.redisKey('{x}a'))).not.toBe(await node.cluster('KEYSLOT', a.redisKey('{x}b')))
+      expect(slots.size).toBeGreaterThan(keys.length / 2)
+    })
+  })
+
+  it('spreads keys over every master', async () => {
+    const storage = new RedisStorage({ client: pipelined, prefix: PREFIX + 'spread:' })
+    const keys = Array.from({ length: 60 }, (_, i) => `spread-${i}`)
+    const leases = await Promise.all(keys.map((key) => storage.begin(key, 'fp', LEASE)))
+    expect(leases.every((lease) => lease.state === 'acquired')).toBe(true)
+    const masters = client.nodes('master')
+    expect(masters).toHaveLength(3)
+    for (const master of masters) {
+      const [, found] = await master.scan('0', 'MATCH', PREFIX + 'spread:*', 'COUNT', 1000)
+      expect(found.length).toBeGreaterThan(0)
+    }
+  })
+
+  it('sends one command per call through a Cluster client, and defines its scripts once', async () => {
+    const own = newCluster()
+    const define = vi.spyOn(own, 'defineCommand')
+    const storage = new RedisStorage({ client: own, prefix: PREFIX + 'trips:' })
+    new RedisStorage({ client: own, prefix: PREFIX + 'trips:' }) // eslint-disable-line no-new
+    expect(define).toHaveBeenCalledTimes(4)
+    await own.ping()
+    const sent: string[] = []
+    const original = own.sendCommand
+    vi.spyOn(own, 'sendCommand').mockImplementation(function (this: Cluster, command, ...rest) {
+      sent.push(command.name)
+      return original.call(this, command, ...rest)
+    })
+    const lease = await storage.begin('trips', 'fp', LEASE)
+    expect(sent).toHaveLength(1)
+    const token = lease.state === 'acquired' ? lease.token : ''
+    expect(await storage.renew('trips', token, LEASE)).toBe(true)
+    expect(sent).toHaveLength(2)
+    expect(await storage.complete('trips', token, response, EXPIRY)).toBe(true)
+    expect(sent).toHaveLength(3)
+    expect((await storage.begin('trips', 'fp', LEASE)).state).toBe('completed')
+    expect(sent).toHaveLength(4)
+    await storage.close()
+    expect(own.status).toBe('ready')
+  })
+
+  it('keeps working after the nodes forget their scripts (SCRIPT FLUSH)', async () => {
+    const storage = new RedisStorage({ client, prefix: PREFIX + 'flush:' })
+    const lease = await storage.begin('flush', 'fp', LEASE)
+    expect(lease.state).toBe('acquired')
+    await Promise.all(client.nodes('master').map((node) => node.script('FLUSH')))
+    expect(await storage.complete('flush', lease.state === 'acquired' ? lease.token : '', response, EXPIRY)).toBe(true)
+    const replay = await storage.begin('flush', 'fp', LEASE)
+    expect(replay.state === 'completed' && replay.response.body.toString()).toBe('ok')
+  })
+})

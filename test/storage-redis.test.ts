@@ -1,0 +1,386 @@
+import { once } from 'node:events'
+import { connect } from 'node:net'
+import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest'
+import Fastify from 'fastify'
+import fastifyRedis from '@fastify/redis'
+import { Redis } from 'ioredis'
+import type { RedisOptions } from 'ioredis'
+import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
+import { RedisStorage } from '../lib/storage/redis.js'
+import type { StoredResponse } from '../lib/storage/types.js'
+import { REDIS, service } from './helpers/services.js'
+
+const redis = await service(REDIS)
+// The server is shared with other test files running at the same time: everything this file
+// writes lives under its own prefix, and only that prefix is cleaned up.
+const PREFIX = `test:redis-storage:${process.pid}:${Date.now()}:`
+const LEASE = 30_000
+const EXPIRY = 60_000
+
+const response: StoredResponse = {
+  statusCode: 201,
+  contentType: 'application/json; charset=utf-8',
+  headers: { location: '/orders/1' },
+  body: Buffer.from('{"id":1}')
+}
+
+let unique = 0
+function freshKey (label: string): string {
+  return `${label}:${++unique}`
+}
+
+/** The hash tag Redis Cluster hashes for `key`, by the rule in the cluster specification. */
+function hashTag (key: string): string {
+  const open = key.indexOf('{')
+  if (open === -1) return key
+  const close = key.indexOf('}', open + 1)
+  if (close === -1 || close === open + 1) return key
+  return key.slice(open + 1, close)
+}
+
+function unescapeTag (tag: string): string {
+  return tag.replace(/%(25|7B|7D|u[0-9A-F]{4})/g, (_, code: string) =>
+    code[0] === 'u' ? String.fromCharCode(parseInt(code.slice(1), 16)) : String.fromCharCode(parseInt(code, 16)))
+}
+
+interface MonitorLine {
+  command: string
+  first: string | undefined
+}
+
+/**
+ * The commands the server receives from the connection at `source` (`ip:port`), through MONITOR
+ * on a raw socket: ioredis's own `monitor()` can fail with "Command queue state error" when a busy
+ * server (this one is shared) sends monitor lines right behind the MONITOR reply. Commands run
+ * inside scripts have the source `lua`, so they are left out.
+ */
+async function openMonitor (source: string): Promise<{ seen: MonitorLine[], close: () => void }> {
+  const socket = connect({ host: REDIS.host, port: REDIS.port })
+  socket.setEncoding('latin1')
+  const seen: MonitorLine[] = []
+  let pending = ''
+  let started: () => void
+  const ready = new Promise<void>((resolve) => { started = resolve })
+  socket.on('data', (chunk: string) => {
+    pending += chunk
+    let end: number
+    while ((end = pending.indexOf('\r\n')) !== -1) {
+      const line = pending.slice(0, end)
+      pending = pending.slice(end + 2)
+      if (line === '+OK') {
+        started()
+        continue
+      }
+      const match = /^\+[\d.]+ \[\d+ ([^\]]+)\] "((?:[^"\\]|\\.)*)"(?: "((?:[^"\\]|\\.)*)")?/.exec(line)
+      if (match !== null && match[1] === source) seen.push({ command: match[2]!, first: match[3] })
+    }
+  })
+  await once(socket, 'connect')
+  socket.write('MONITOR\r\n')
+  await ready
+  return { seen, close: () => socket.destroy() }
+}
+
+describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason, () => {
+  const options: RedisOptions = { host: REDIS.host, port: REDIS.port, maxRetriesPerRequest: 1 }
+  const clients: Redis[] = []
+  function newClient (extra: RedisOptions = {}): Redis {
+    const client = new Redis({ ...options, ...extra })
+    clients.push(client)
+    return client
+  }
+
+  let client: Redis
+  let pipelined: Redis
+  beforeAll(() => {
+    client = newClient()
+    pipelined = newClient({ enableAutoPipelining: true })
+  })
+
+  afterAll(async () => {
+    if (client !== undefined) {
+      let cursor = '0'
+      do {
+        const [next, keys] = await client.scan(cursor, 'MATCH', PREFIX + '*', 'COUNT', 1000)
+        if (keys.length > 0) await client.unlink(...keys)
+        cursor = next
+      } while (cursor !== '0')
+    }
+    await Promise.all(clients.map((c) => c.quit()))
+  })
+
+  const harness = { describe, it, beforeEach, afterAll }
+  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness)
+  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness)
+
+  describe('round trips', () => {
+    /** Names of the commands ioredis hands to the connection while `fn` runs. */
+    async function commandsSent (target: Redis, fn: () => Promise<unknown>): Promise<string[]> {
+      const names: string[] = []
+      const original = target.sendCommand
+      const spy = vi.spyOn(target, 'sendCommand').mockImplementation(function (this: Redis, command, ...rest) {
+        names.push(command.name)
+        return original.call(this, command, ...rest)
+      })
+      try {
+        await fn()
+      } finally {
+        spy.mockRestore()
+      }
+      return names
+    }
+
+    for (const autoPipelining of [false, true]) {
+      it(`sends one command per begin, complete, release and renew${autoPipelining ? ' (auto-pipelining)' : ''}`, async () => {
+        const target = newClient({ enableAutoPipelining: autoPipelining })
+        const storage = new RedisStorage({ client: target, prefix: PREFIX + 'trips:' })
+        // Let the connection handshake (HELLO, CLIENT SETINFO, ...) happen outside the count.
+        await target.ping()
+        const key = freshKey('trips')
+        let token = ''
+        const first = await commandsSent(target, async () => {
+          const result = await storage.begin(key, 'fp', LEASE)
+          if (result.state === 'acquired') token = result.token
+        })
+        expect(first).toHaveLength(1)
+        expect(token).not.toBe('')
+        expect(await commandsSent(target, () => storage.renew(key, token, LEASE))).toHaveLength(1)
+        expect(await commandsSent(target, () => storage.complete(key, token, response, EXPIRY))).toHaveLength(1)
+        const replay = await commandsSent(target, async () => {
+          expect((await storage.begin(key, 'fp', LEASE)).state).toBe('completed')
+        })
+        expect(replay).toEqual(['evalsha'])
+
+        const other = freshKey('trips-release')
+        const held = await storage.begin(other, 'fp', LEASE)
+        expect(held.state).toBe('acquired')
+        expect(await commandsSent(target, () => storage.release(other, held.state === 'acquired' ? held.token : ''))).toHaveLength(1)
+      })
+    }
+
+    it('writes exactly one command to the server per call, as MONITOR sees it', async () => {
+      const target = newClient()
+      const storage = new RedisStorage({ client: target, prefix: PREFIX + 'monitor:' })
+      const info = await target.client('INFO') as string
+      const addr = /addr=(\S+)/.exec(info)?.[1]
+      expect(addr).toBeDefined()
+
+      const monitor = await openMonitor(addr!)
+      try {
+        let marker = 0
+        /** Commands the server received from `target` while `fn` ran (scripts' inner calls excluded). */
+        async function received (fn: () => Promise<unknown>): Promise<string[]> {
+          const id = `${process.pid}-${++marker}`
+          await target.echo(`start-${id}`)
+          await fn()
+          await target.echo(`end-${id}`)
+          await vi.waitFor(() => {
+            if (!monitor.seen.some((line) => line.first === `end-${id}`)) throw new Error('MONITOR has not caught up yet')
+          }, { timeout: 10_000, interval: 10 })
+          const lines = monitor.seen
+          const start = lines.findIndex((line) => line.first === `start-${id}`)
+          const end = lines.findIndex((line) => line.first === `end-${id}`)
+          expect(start).toBeGreaterThanOrEqual(0)
+          return lines.slice(start + 1, end).map((line) => line.command.toLowerCase())
+        }
+
+        /** Expects exactly the listed commands, showing everything MONITOR saw when it fails. */
+        async function expectReceived (fn: () => Promise<unknown>, expected: string[] | number): Promise<void> {
+          const commands = await received(fn)
+          const message = `MONITOR saw ${JSON.stringify(commands)}`
+          if (typeof expected === 'number') expect(commands, message).toHaveLength(expected)
+          else expect(commands, message).toEqual(expected)
+        }
+
+        const key = freshKey('monitor')
+        let token = ''
+        await expectReceived(async () => {
+          const result = await storage.begin(key, 'fp', LEASE)
+          if (result.state === 'acquired') token = result.token
+        }, 1)
+        await expectReceived(() => storage.complete(key, token, response, EXPIRY), 1)
+        await expectReceived(() => storage.begin(key, 'fp', LEASE), ['evalsha'])
+        const other = freshKey('monitor-release')
+        const held = await storage.begin(other, 'fp', LEASE)
+        const heldToken = held.state === 'acquired' ? held.token : ''
+        await expectReceived(() => storage.renew(other, heldToken, LEASE), 1)
+        await expectReceived(() => storage.release(other, heldToken), 1)
+      } finally {
+        monitor.close()
+      }
+    })
+  })
+
+  describe('client handling', () => {
+    it('defines its scripts once per client, however many storages share it', async () => {
+      const shared = newClient()
+      const define = vi.spyOn(shared, 'defineCommand')
+      const a = new RedisStorage({ client: shared, prefix: PREFIX + 'shared:' })
+      expect(define).toHaveBeenCalledTimes(4)
+      const b = new RedisStorage({ client: shared, prefix: PREFIX + 'shared:' })
+      expect(define).toHaveBeenCalledTimes(4)
+      const key = freshKey('shared')
+      const lease = await a.begin(key, 'fp', LEASE)
+      expect(lease.state).toBe('acquired')
+      expect(await b.complete(key, lease.state === 'acquired' ? lease.token : '', response, EXPIRY)).toBe(true)
+      expect((await a.begin(key, 'fp', LEASE)).state).toBe('completed')
+    })
+
+    it('leaves the client open on close()', async () => {
+      const own = newClient()
+      const storage = new RedisStorage({ client: own, prefix: PREFIX + 'close:' })
+      expect((await storage.begin(freshKey('close'), 'fp', LEASE)).state).toBe('acquired')
+      await storage.close()
+      expect(own.status).toBe('ready')
+      expect(await own.ping()).toBe('PONG')
+      expect((await storage.begin(freshKey('close'), 'fp', LEASE)).state).toBe('acquired')
+    })
+
+    it('works with the client @fastify/redis decorates as fastify.redis', async () => {
+      const app = Fastify()
+      await app.register(fastifyRedis, { host: REDIS.host, port: REDIS.port, enableAutoPipelining: true })
+      await app.ready()
+      try {
+        const storage = new RedisStorage({ client: app.redis, prefix: PREFIX + 'fastify:' })
+        const again = new RedisStorage({ client: app.redis, prefix: PREFIX + 'fastify:' })
+        const key = freshKey('fastify')
+        const lease = await storage.begin(key, 'fp', LEASE)
+        expect(lease.state).toBe('acquired')
+        expect(await storage.complete(key, lease.state === 'acquired' ? lease.token : '', response, EXPIRY)).toBe(true)
+        const replay = await again.begin(key, 'fp', LEASE)
+        expect(replay.state === 'completed' && replay.response.body.equals(response.body)).toBe(true)
+        await storage.close()
+        expect(app.redis.status).toBe('ready')
+      } finally {
+        await app.close()
+      }
+    })
+
+    it('puts the client\'s own ioredis keyPrefix in front of its prefix', async () => {
+      const prefixed = newClient({ keyPrefix: PREFIX + 'client-prefix:' })
+      const storage = new RedisStorage({ client: prefixed, prefix: 'idem:' })
+      const key = freshKey('key-prefix')
+      const lease = await storage.begin(key, 'fp', LEASE)
+      expect(lease.state).toBe('acquired')
+      expect(await storage.complete(key, lease.state === 'acquired' ? lease.token : '', response, EXPIRY)).toBe(true)
+      expect((await storage.begin(key, 'fp', LEASE)).state).toBe('completed')
+      expect(await client.exists(PREFIX + 'client-prefix:' + storage.redisKey(key))).toBe(1)
+    })
+
+    it('refuses a missing client, a prefix with braces and bad durations', async () => {
+      // @ts-expect-error: no client
+      expect(() => new RedisStorage({})).toThrow(TypeError)
+      expect(() => new RedisStorage({ client, prefix: 'app{1}:' })).toThrow(/prefix/)
+      expect(() => new RedisStorage({ client, prefix: 'app}' })).toThrow(/prefix/)
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'durations:' })
+      for (const bad of [0, -1, Number.NaN, Number.POSITIVE_INFINITY]) {
+        await expect(storage.begin(freshKey('bad'), 'fp', bad)).rejects.toThrow(RangeError)
+        await expect(storage.complete(freshKey('bad'), 'token', response, bad)).rejects.toThrow(RangeError)
+      }
+    })
+  })
+
+  describe('data layout', () => {
+    it('keeps one hash per key, with a lease TTL while in flight and the expiration once completed', async () => {
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'layout:' })
+      const key = freshKey('layout')
+      const redisKey = storage.redisKey(key)
+      const lease = await storage.begin(key, 'fp-layout', LEASE)
+      expect(lease.state).toBe('acquired')
+      const token = lease.state === 'acquired' ? lease.token : ''
+      expect(await client.type(redisKey)).toBe('hash')
+      expect(await client.hgetall(redisKey)).toEqual({ state: 'in-flight', fingerprint: 'fp-layout', token })
+      const leaseTtl = await client.pttl(redisKey)
+      expect(leaseTtl).toBeGreaterThan(LEASE - 2000)
+      expect(leaseTtl).toBeLessThanOrEqual(LEASE)
+
+      expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
+      const stored = await client.hgetallBuffer(redisKey)
+      expect(Object.keys(stored).sort()).toEqual(['body', 'fingerprint', 'head', 'state'])
+      expect(stored.state!.toString()).toBe('completed')
+      expect(stored.fingerprint!.toString()).toBe('fp-layout')
+      expect(JSON.parse(stored.head!.toString())).toEqual([response.statusCode, response.contentType, response.headers])
+      expect(stored.body!.equals(response.body)).toBe(true)
+      const entryTtl = await client.pttl(redisKey)
+      expect(entryTtl).toBeGreaterThan(EXPIRY - 2000)
+      expect(entryTtl).toBeLessThanOrEqual(EXPIRY)
+      expect(await client.keys(PREFIX + 'layout:*')).toEqual([redisKey])
+    })
+
+    it('reports the lease end from the key\'s PTTL', async () => {
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'pttl:' })
+      const key = freshKey('pttl')
+      expect((await storage.begin(key, 'fp', 10_000)).state).toBe('acquired')
+      await client.pexpire(storage.redisKey(key), 4000)
+      const held = await storage.begin(key, 'fp', 10_000)
+      expect(held.state).toBe('in-flight')
+      const remaining = held.state === 'in-flight' ? held.lockExpiresAt - Date.now() : 0
+      expect(remaining).toBeGreaterThan(3000)
+      expect(remaining).toBeLessThanOrEqual(4000)
+    })
+
+    it('makes the whole key, escaped, the hash tag, so braces in a key cannot move it to another slot', async () => {
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'slots:' })
+      const keys = [...HOSTILE_KEYS, '{x}a', '{x}b', 'a}b{c', '{}', '}', '%7D', '%257D', '%', '%u0041', 'A', '\uD800', '\uDC00', '\uFFFD', '\u{1F4B8}']
+      const tags = new Set<string>()
+      for (const key of keys) {
+        const redisKey = storage.redisKey(key)
+        expect(redisKey.startsWith(PREFIX + 'slots:{')).toBe(true)
+        expect(redisKey.endsWith('}')).toBe(true)
+        const tag = hashTag(redisKey)
+        // The tag Redis hashes runs from our `{` to our closing `}`: all of the key, nothing else.
+        expect(redisKey).toBe(PREFIX + 'slots:{' + tag + '}')
+        expect(unescapeTag(tag)).toBe(key)
+        tags.add(tag)
+      }
+      expect(tags.size).toBe(keys.length)
+    })
+
+    it('keeps look-alike keys apart: braces, escapes and lone surrogates', async () => {
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'lookalike:' })
+      const base = freshKey('lookalike')
+      const keys = ['}', '%7D', '%257D', '{', '%7B', '\uD800', '\uDC00', '\uFFFD'].map((k) => `${base}|${k}`)
+      for (const [i, key] of keys.entries()) {
+        const lease = await storage.begin(key, `fp-${i}`, LEASE)
+        expect(lease.state, `key ${JSON.stringify(key)}`).toBe('acquired')
+        expect(await storage.complete(key, lease.state === 'acquired' ? lease.token : '', { ...response, statusCode: 200 + i }, EXPIRY)).toBe(true)
+      }
+      for (const [i, key] of keys.entries()) {
+        const replay = await storage.begin(key, 'fp', LEASE)
+        expect(replay.state === 'completed' && replay.fingerprint).toBe(`fp-${i}`)
+        expect(replay.state === 'completed' && replay.response.statusCode).toBe(200 + i)
+      }
+    })
+
+    it('keeps the same key under two prefixes apart', async () => {
+      const a = new RedisStorage({ client, prefix: PREFIX + 'tenant-a:' })
+      const b = new RedisStorage({ client, prefix: PREFIX + 'tenant-b:' })
+      const key = freshKey('same-text')
+      const leaseA = await a.begin(key, 'fp-a', LEASE)
+      expect(leaseA.state).toBe('acquired')
+      const leaseB = await b.begin(key, 'fp-b', LEASE)
+      expect(leaseB.state).toBe('acquired')
+      expect(await a.complete(key, leaseA.state === 'acquired' ? leaseA.token : '', response, EXPIRY)).toBe(true)
+      const stillHeld = await b.begin(key, 'fp-x', LEASE)
+      expect(stillHeld.state === 'in-flight' && stillHeld.fingerprint).toBe('fp-b')
+      expect(await b.complete(key, leaseA.state === 'acquired' ? leaseA.token : '', response, EXPIRY)).toBe(false)
+      expect(a.redisKey(key)).not.toBe(b.redisKey(key))
+    })
+
+    it('serves many simultaneous begins on distinct keys through one auto-pipelined client', async () => {
+      const storage = new RedisStorage({ client: pipelined, prefix: PREFIX + 'burst:' })
+      const keys = Array.from({ length: 200 }, (_, i) => freshKey(`burst-${i}`))
+      const leases = await Promise.all(keys.map((key) => storage.begin(key, 'fp', LEASE)))
+      expect(leases.every((lease) => lease.state === 'acquired')).toBe(true)
+      const done = await Promise.all(keys.map((key, i) => {
+        const lease = leases[i]!
+        return storage.complete(key, lease.state === 'acquired' ? lease.token : '', { ...response, body: Buffer.from(key) }, EXPIRY)
+      }))
+      expect(done.every(Boolean)).toBe(true)
+      const replays = await Promise.all(keys.map((key) => storage.begin(key, 'fp', LEASE)))
+      for (const [i, replay] of replays.entries()) {
+        expect(replay.state === 'completed' && replay.response.body.toString()).toBe(keys[i])
+      }
+    })
+  })
+})
