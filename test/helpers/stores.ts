@@ -2,8 +2,17 @@
  * Every store the behaviour tests run against, each on its real server. A store whose server is
  * unreachable is skipped with the reason (and fails under CI=true, see services.ts).
  */
+import { mkdtempSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { Redis } from 'ioredis'
+import knexFactory, { type Knex } from 'knex'
 import type { IdempotencyStorage } from '../../lib/storage/types.js'
 import { MemoryStorage } from '../../lib/storage/memory.js'
+import { RedisStorage } from '../../lib/storage/redis.js'
+import { KnexStorage } from '../../lib/storage/knex.js'
+import { dropIdempotencyTable } from '../../lib/storage/knex-schema.js'
+import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service } from './services.js'
 
 export interface StoreCase {
   name: string
@@ -11,12 +20,64 @@ export interface StoreCase {
   reason: string
   /** A storage on a fresh namespace (prefix or table) of the shared server. */
   create: () => Promise<IdempotencyStorage>
-  /** Drop what `create` made (tables, connections). */
+  /** Drop what `create` made (keys, tables, connections). */
   cleanup: () => Promise<void>
 }
 
+let unique = 0
+const namespace = (label: string) => `bt_${label}_${process.pid}_${Date.now()}_${++unique}`
+
+function redisCase (available: boolean, reason: string): StoreCase {
+  let client: Redis | undefined
+  let prefix = ''
+  return {
+    name: 'redis',
+    available,
+    reason,
+    create: async () => {
+      client = new Redis({ host: REDIS.host, port: REDIS.port, enableAutoPipelining: true })
+      prefix = `${namespace('redis')}:`
+      return new RedisStorage({ client, prefix })
+    },
+    cleanup: async () => {
+      if (client === undefined) return
+      const keys = await client.keys(`${prefix}*`)
+      if (keys.length > 0) await client.del(...keys)
+      await client.quit()
+    }
+  }
+}
+
+function knexCase (name: string, available: boolean, reason: string, connect: () => Knex, dispose: () => void = () => {}): StoreCase {
+  let knex: Knex | undefined
+  let table = ''
+  return {
+    name,
+    available,
+    reason,
+    create: async () => {
+      knex = connect()
+      table = namespace(name)
+      return new KnexStorage({ knex, tableName: table, createTable: true })
+    },
+    cleanup: async () => {
+      if (knex === undefined) return
+      await dropIdempotencyTable(knex, table)
+      await knex.destroy()
+      dispose()
+    }
+  }
+}
+
 export async function storeCases (): Promise<StoreCase[]> {
+  const [redis, postgres, mariadb] = await Promise.all([service(REDIS), service(POSTGRES), service(MARIADB)])
+  const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-behaviour-'))
   return [
-    { name: 'memory', available: true, reason: '', create: async () => new MemoryStorage(), cleanup: async () => {} }
+    { name: 'memory', available: true, reason: '', create: async () => new MemoryStorage(), cleanup: async () => {} },
+    redisCase(redis.available, redis.reason),
+    knexCase('postgres', postgres.available, postgres.reason, () => knexFactory({ client: 'pg', connection: pgConnection })),
+    knexCase('mariadb', mariadb.available, mariadb.reason, () => knexFactory({ client: 'mysql2', connection: mysqlConnection })),
+    knexCase('sqlite', true, '', () => knexFactory({ client: 'better-sqlite3', connection: { filename: join(sqliteDir, 'behaviour.db') }, useNullAsDefault: true }),
+      () => rmSync(sqliteDir, { recursive: true, force: true }))
   ]
 }

@@ -1,0 +1,164 @@
+/**
+ * The one definition of the SQL table behind `KnexStorage`, per dialect.
+ *
+ * `KnexStorage({ createTable: true })` calls `createIdempotencyTable` on first use; teams that
+ * manage their schema themselves call the same function from a knex migration:
+ *
+ *   import { createIdempotencyTable, dropIdempotencyTable } from 'fastify-idempotency/knex'
+ *   export const up = (knex) => createIdempotencyTable(knex, 'idempotency_keys')
+ *   export const down = (knex) => dropIdempotencyTable(knex, 'idempotency_keys')
+ */
+import { createHash } from 'node:crypto'
+import type { Knex } from 'knex'
+
+export const DEFAULT_TABLE_NAME = 'idempotency_keys'
+
+/**
+ * Longest key the table holds, in UTF-8 bytes. Keys are stored as bytes so that they compare
+ * exactly (case, trailing spaces, Unicode normalization) on every dialect; 1024 bytes fit a
+ * 255-character key with a generous scope prefix, and stay well under InnoDB's 3072-byte index
+ * limit.
+ */
+export const MAX_KEY_BYTES = 1024
+
+/** The SQL families `KnexStorage` supports. */
+export type SqlDialect = 'postgres' | 'mysql' | 'sqlite'
+
+const DIALECTS: Readonly<Record<string, SqlDialect>> = {
+  pg: 'postgres',
+  postgres: 'postgres',
+  postgresql: 'postgres',
+  mysql: 'mysql',
+  mysql2: 'mysql',
+  'better-sqlite3': 'sqlite',
+  sqlite3: 'sqlite',
+  sqlite: 'sqlite'
+}
+
+/**
+ * The dialect of a knex instance, from the `client` it was configured with. Anything else is
+ * refused here, at construction, rather than failing on a dialect's SQL at the first request.
+ */
+export function sqlDialect (knex: Knex): SqlDialect {
+  const client = (knex as { client?: { config?: { client?: unknown }, driverName?: unknown } } | undefined)?.client
+  if (client === undefined || client === null) {
+    throw new TypeError('fastify-idempotency: expected a knex instance (the value returned by knex({ client, connection }))')
+  }
+  const configured = client.config?.client
+  // A Client class instead of a name: its driver name tells the family.
+  const name = typeof configured === 'string' ? configured : client.driverName
+  const dialect = typeof name === 'string' ? DIALECTS[name] : undefined
+  if (dialect === undefined) {
+    const hint = name === 'mariadb' ? ' (for MariaDB use the mysql2 client)' : ''
+    throw new TypeError(`fastify-idempotency: knex client ${JSON.stringify(name ?? configured)} is not supported${hint}; ` +
+      'use pg, mysql2 (or mysql), or better-sqlite3 (or sqlite3)')
+  }
+  return dialect
+}
+
+/** `schema.table` → its parts; index names live in the table's schema. */
+function splitName (tableName: string): { schema: string | undefined, base: string } {
+  const dot = tableName.lastIndexOf('.')
+  return dot === -1
+    ? { schema: undefined, base: tableName }
+    : { schema: tableName.slice(0, dot), base: tableName.slice(dot + 1) }
+}
+
+function checkTableName (tableName: unknown): asserts tableName is string {
+  if (typeof tableName !== 'string' || tableName.length === 0) {
+    throw new TypeError('fastify-idempotency: tableName must be a non-empty string')
+  }
+}
+
+/** The expiry index's name, also used by the tests to look it up. */
+export function expiryIndexName (tableName: string): string {
+  return `${splitName(tableName).base}_expires_idx`
+}
+
+// Times are BIGINT epoch milliseconds written by the application (Date.now()), the same rule on
+// every dialect. `expires_at` is when the row stops mattering: the lease end while in flight,
+// the response's expiry once completed, so one indexed column serves both `begin` and the purge.
+const POSTGRES_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
+  idempotency_key bytea NOT NULL PRIMARY KEY CHECK (octet_length(idempotency_key) <= ${MAX_KEY_BYTES}),
+  fingerprint text NOT NULL,
+  state varchar(16) NOT NULL CHECK (state IN ('in_flight', 'completed')),
+  token varchar(64),
+  lease_end bigint,
+  status_code integer,
+  content_type text,
+  headers text,
+  body bytea,
+  expires_at bigint NOT NULL
+)`
+
+// VARBINARY compares bytewise with no pad-space rule and no collation, so 'A' and 'a', or 'k' and
+// 'k ', are different keys (utf8mb4_bin would still treat trailing spaces as equal on MariaDB).
+const MYSQL_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
+  idempotency_key VARBINARY(${MAX_KEY_BYTES}) NOT NULL,
+  fingerprint TEXT NOT NULL,
+  state VARCHAR(16) NOT NULL CHECK (state IN ('in_flight', 'completed')),
+  token VARCHAR(64) NULL,
+  lease_end BIGINT NULL,
+  status_code INT NULL,
+  content_type TEXT NULL,
+  headers MEDIUMTEXT NULL,
+  body LONGBLOB NULL,
+  expires_at BIGINT NOT NULL,
+  PRIMARY KEY (idempotency_key),
+  KEY ?? (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin`
+
+const SQLITE_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
+  idempotency_key BLOB NOT NULL PRIMARY KEY CHECK (length(idempotency_key) <= ${MAX_KEY_BYTES}),
+  fingerprint TEXT NOT NULL,
+  state TEXT NOT NULL CHECK (state IN ('in_flight', 'completed')),
+  token TEXT,
+  lease_end INTEGER,
+  status_code INTEGER,
+  content_type TEXT,
+  headers TEXT,
+  body BLOB,
+  expires_at INTEGER NOT NULL
+)`
+
+/** A stable advisory-lock key per table, so creators of different tables do not queue. */
+function advisoryKey (tableName: string): number {
+  return createHash('sha256').update(`fastify-idempotency:${tableName}`).digest().readInt32BE(0)
+}
+const ADVISORY_NAMESPACE = 0x1de4
+
+/**
+ * Create the idempotency table and its expiry index if they do not exist yet. Safe to call
+ * concurrently from several processes, and from a knex migration's `up` (pass the migration's
+ * `knex`, which may be a transaction).
+ */
+export async function createIdempotencyTable (knex: Knex, tableName: string = DEFAULT_TABLE_NAME): Promise<void> {
+  checkTableName(tableName)
+  const dialect = sqlDialect(knex)
+  const { schema, base } = splitName(tableName)
+  const index = expiryIndexName(tableName)
+  if (dialect === 'postgres') {
+    // Concurrent CREATE TABLE IF NOT EXISTS can still collide in PostgreSQL's catalogs (a unique
+    // violation on pg_type); a transaction-scoped advisory lock makes creators take turns.
+    await knex.transaction(async (trx) => {
+      await trx.raw('SELECT pg_advisory_xact_lock(?::integer, ?::integer)', [ADVISORY_NAMESPACE, advisoryKey(tableName)])
+      await trx.raw(POSTGRES_TABLE, [tableName])
+      await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+    })
+  } else if (dialect === 'mysql') {
+    // One statement with the index inline: MySQL DDL is not transactional, and a separate
+    // CREATE INDEX would fail for the second of two racing creators.
+    await knex.raw(MYSQL_TABLE, [tableName, index])
+  } else {
+    // Both statements are idempotent, so racing creators need no lock; SQLite serializes them.
+    await knex.raw(SQLITE_TABLE, [tableName])
+    await knex.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [schema === undefined ? index : `${schema}.${index}`, base])
+  }
+}
+
+/** Drop the idempotency table (and with it its index), if it exists: a migration's `down`. */
+export async function dropIdempotencyTable (knex: Knex, tableName: string = DEFAULT_TABLE_NAME): Promise<void> {
+  checkTableName(tableName)
+  sqlDialect(knex)
+  await knex.schema.dropTableIfExists(tableName)
+}

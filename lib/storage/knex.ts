@@ -1,0 +1,429 @@
+import { randomUUID } from 'node:crypto'
+import { setTimeout as sleep } from 'node:timers/promises'
+import type { Knex } from 'knex'
+import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+import {
+  createIdempotencyTable,
+  DEFAULT_TABLE_NAME,
+  MAX_KEY_BYTES,
+  sqlDialect,
+  type SqlDialect
+} from './knex-schema.js'
+
+export {
+  createIdempotencyTable,
+  dropIdempotencyTable,
+  DEFAULT_TABLE_NAME,
+  MAX_KEY_BYTES,
+  type SqlDialect
+} from './knex-schema.js'
+
+export interface KnexStorageOptions {
+  /** A knex instance (pg, mysql2/mysql, better-sqlite3/sqlite3). Never destroyed by the storage. */
+  knex: Knex
+  /** Table holding keys, leases and responses; may be schema-qualified. Default `'idempotency_keys'`. */
+  tableName?: string
+  /** Create the table and its index on first use if missing (`CREATE TABLE IF NOT EXISTS`). Default `false`. */
+  createTable?: boolean
+  /** Clock in epoch milliseconds; tests inject one. Default `Date.now`. */
+  now?: () => number
+}
+
+export interface PurgeExpiredOptions {
+  /** Rows deleted per statement, so a large purge never holds long locks. Default 1000. */
+  batchSize?: number
+}
+
+/** A row as the drivers return it: BIGINTs may be strings (pg) or bigints (safeIntegers). */
+interface Row {
+  fingerprint: string
+  state: string
+  token?: string | null
+  lease_end: unknown
+  status_code: unknown
+  content_type: string | null
+  headers: string | null
+  body: unknown
+}
+
+const COLUMNS = 'fingerprint, state, lease_end, status_code, content_type, headers, body'
+const READ_COLUMNS = ['fingerprint', 'state', 'lease_end', 'status_code', 'content_type', 'headers', 'body']
+
+/**
+ * How often `begin` starts over when the row it lost to changed before it could be read (a purge,
+ * a release, an expiry in between). Each round needs a concurrent change to fail, so a few suffice.
+ */
+const BEGIN_ROUNDS = 10
+/** Retries of a statement chosen as a deadlock victim (it was rolled back whole, so it can rerun). */
+const DEADLOCK_RETRIES = 5
+
+// PostgreSQL, one statement for every outcome. `live` reads the row as of the statement's snapshot;
+// only when it shows nothing live does `taken` try to insert, and ON CONFLICT then decides on the
+// newest row version, under its row lock, whether the row is free to take over. A replay is thus
+// a plain read (no row lock, no write). When the insert lost to a row committed after our snapshot,
+// both parts come back empty and the caller runs the statement again with a fresh snapshot.
+const POSTGRES_BEGIN = `WITH live AS (
+  SELECT ${COLUMNS} FROM ?? WHERE idempotency_key = ? AND expires_at > ?
+), taken AS (
+  INSERT INTO ?? AS cur (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+  SELECT ?::bytea, ?::text, 'in_flight', ?::text, ?::bigint, ?::bigint
+  WHERE NOT EXISTS (SELECT 1 FROM live)
+  ON CONFLICT (idempotency_key) DO UPDATE SET
+    fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
+    lease_end = excluded.lease_end, expires_at = excluded.expires_at,
+    status_code = NULL, content_type = NULL, headers = NULL, body = NULL
+  WHERE cur.expires_at <= ?::bigint
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM taken)::integer AS taken, live.* FROM (VALUES (1)) AS one LEFT JOIN live ON true`
+
+// SQLite: the upsert takes the row when it is absent or dead, and RETURNING says whether it did.
+// Unqualified columns in DO UPDATE ... WHERE are the existing row's.
+const SQLITE_BEGIN = `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+VALUES (?, ?, 'in_flight', ?, ?, ?)
+ON CONFLICT (idempotency_key) DO UPDATE SET
+  fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
+  lease_end = excluded.lease_end, expires_at = excluded.expires_at,
+  status_code = NULL, content_type = NULL, headers = NULL, body = NULL
+WHERE expires_at <= ?
+RETURNING token`
+
+// MySQL/MariaDB: ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition.
+// Assignments run left to right and see the columns already assigned, so `expires_at`, which the
+// condition reads, comes last. affectedRows cannot tell an insert from an untouched row when the
+// client sets CLIENT_FOUND_ROWS (mysql2 does by default), so LAST_INSERT_ID(expr), which the
+// server reports as the OK packet's insertId, does: 0 inserted, 1 taken over, 2 left alone.
+const MYSQL_BEGIN = `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+VALUES (?, ?, 'in_flight', ?, ?, ?)
+ON DUPLICATE KEY UPDATE
+  fingerprint = IF(expires_at <= ?, ?, fingerprint),
+  state = IF(expires_at <= ?, 'in_flight', state),
+  token = IF(expires_at <= ?, ?, token),
+  lease_end = IF(expires_at <= ?, ?, lease_end),
+  status_code = IF(expires_at <= ?, NULL, status_code),
+  content_type = IF(expires_at <= ?, NULL, content_type),
+  headers = IF(expires_at <= ?, NULL, headers),
+  body = IF(expires_at <= ?, NULL, body),
+  expires_at = IF(LAST_INSERT_ID(IF(expires_at <= ?, 1, 2)) = 1, ?, expires_at)`
+// MariaDB 10.5+ returns the row as it stands after the upsert, whichever branch ran: the
+// replay needs no second statement.
+const MARIADB_BEGIN = `${MYSQL_BEGIN}
+RETURNING token, ${COLUMNS}`
+
+const LONE_SURROGATE = /\p{Surrogate}/u
+
+function encodeKey (key: string): Buffer {
+  if (typeof key !== 'string') throw new TypeError('KnexStorage: the key must be a string')
+  // UTF-8 would turn a lone surrogate into U+FFFD, and two different keys into one row.
+  if (LONE_SURROGATE.test(key)) throw new TypeError('KnexStorage: the key is not well-formed Unicode (lone surrogate)')
+  const bytes = Buffer.from(key, 'utf8')
+  if (bytes.length > MAX_KEY_BYTES) {
+    throw new TypeError(`KnexStorage: the key is ${bytes.length} bytes in UTF-8; the table holds at most ${MAX_KEY_BYTES}`)
+  }
+  return bytes
+}
+
+function duration (value: number, name: string): number {
+  if (typeof value !== 'number' || !Number.isFinite(value) || value <= 0) {
+    throw new TypeError(`KnexStorage: ${name} must be a positive number of milliseconds`)
+  }
+  // The columns are integers; a fractional timeout must not make the driver or server choke.
+  return Math.ceil(value)
+}
+
+/** BIGINT as the drivers return it (number, numeric string from pg, bigint) → number. */
+function millis (value: unknown): number {
+  const result = typeof value === 'number' ? value : Number(value as string | bigint)
+  if (!Number.isSafeInteger(result)) throw new Error(`KnexStorage: unexpected time value ${String(value)}`)
+  return result
+}
+
+function toBuffer (value: unknown): Buffer {
+  if (Buffer.isBuffer(value)) return value
+  if (value === null || value === undefined) return Buffer.alloc(0)
+  if (value instanceof Uint8Array) return Buffer.from(value.buffer, value.byteOffset, value.byteLength)
+  throw new Error(`KnexStorage: unexpected body type ${typeof value}`)
+}
+
+function toResult (row: Row): BeginResult {
+  if (row.state === 'completed') {
+    return {
+      state: 'completed',
+      fingerprint: row.fingerprint,
+      response: {
+        statusCode: Number(row.status_code),
+        contentType: row.content_type ?? null,
+        headers: row.headers === null ? {} : JSON.parse(row.headers),
+        body: toBuffer(row.body)
+      }
+    }
+  }
+  if (row.state === 'in_flight') {
+    return { state: 'in-flight', fingerprint: row.fingerprint, lockExpiresAt: millis(row.lease_end) }
+  }
+  throw new Error(`KnexStorage: unexpected state ${JSON.stringify(row.state)} in the idempotency table`)
+}
+
+function isDeadlock (dialect: SqlDialect, error: unknown): boolean {
+  const { code, errno } = (error ?? {}) as { code?: unknown, errno?: unknown }
+  if (dialect === 'mysql') return errno === 1213 || code === 'ER_LOCK_DEADLOCK'
+  // 40001 only arises when the server's default isolation is stricter than READ COMMITTED.
+  if (dialect === 'postgres') return code === '40P01' || code === '40001'
+  return false
+}
+
+/** Longest error message (and `sql`) passed on; see `trimmed`. */
+const MAX_ERROR_TEXT = 2048
+
+/**
+ * knex writes the statement with its values into the error message, and mysql2 adds it as `sql`:
+ * for a failed `complete` that is the whole body, hex-encoded, and it would end up in the logs.
+ * The message keeps its start (the statement) and its end (the server's reason).
+ */
+function trimmed (error: unknown): unknown {
+  if (error instanceof Error) {
+    const half = MAX_ERROR_TEXT / 2
+    if (error.message.length > MAX_ERROR_TEXT) {
+      error.message = `${error.message.slice(0, half)} … (${error.message.length - MAX_ERROR_TEXT} characters cut) … ${error.message.slice(-half)}`
+    }
+    const withSql = error as Error & { sql?: unknown }
+    if (typeof withSql.sql === 'string' && withSql.sql.length > MAX_ERROR_TEXT) withSql.sql = `${withSql.sql.slice(0, MAX_ERROR_TEXT)} … (cut)`
+  }
+  return error
+}
+
+/** MariaDB 10.5 added INSERT ... RETURNING; MySQL has none. */
+function hasInsertReturning (version: string): boolean {
+  // Anywhere in the string: some servers put a compatibility prefix ('5.5.5-') before it.
+  const match = /(\d+)\.(\d+)\.\d+-mariadb/i.exec(version)
+  if (match === null) return false
+  const major = Number(match[1])
+  const minor = Number(match[2])
+  return major > 10 || (major === 10 && minor >= 5)
+}
+
+/**
+ * An `IdempotencyStorage` on PostgreSQL, MySQL/MariaDB or SQLite through knex.
+ *
+ * One row per key, the key as primary key. `begin` is a single conditional upsert that takes the
+ * row when it is absent, expired or its lease lapsed, so two requests can never both hold a key;
+ * `complete`, `release` and `renew` are single statements conditioned on the fencing token.
+ * All times are epoch milliseconds from the application's clock.
+ */
+export class KnexStorage implements IdempotencyStorage {
+  readonly #knex: Knex
+  readonly #table: string
+  readonly #dialect: SqlDialect
+  readonly #createTable: boolean
+  readonly #now: () => number
+  #ready: Promise<void> | undefined
+  #prepared = false
+  /** MariaDB 10.5+: `begin` returns the row in the upsert itself. */
+  #returning = false
+
+  constructor (options: KnexStorageOptions) {
+    if (options === null || typeof options !== 'object') throw new TypeError('KnexStorage: options { knex } are required')
+    this.#dialect = sqlDialect(options.knex)
+    const tableName = options.tableName ?? DEFAULT_TABLE_NAME
+    if (typeof tableName !== 'string' || tableName.length === 0) throw new TypeError('KnexStorage: tableName must be a non-empty string')
+    if (options.now !== undefined && typeof options.now !== 'function') throw new TypeError('KnexStorage: now must be a function')
+    this.#knex = options.knex
+    this.#table = tableName
+    this.#createTable = options.createTable === true
+    this.#now = options.now ?? Date.now
+  }
+
+  /** The table this storage uses. */
+  get tableName (): string {
+    return this.#table
+  }
+
+  /** The SQL family of the knex instance: `'postgres'`, `'mysql'` or `'sqlite'`. */
+  get dialect (): SqlDialect {
+    return this.#dialect
+  }
+
+  async begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult> {
+    const id = encodeKey(key)
+    const lease = duration(lockTimeout, 'lockTimeout')
+    if (typeof fingerprint !== 'string') throw new TypeError('KnexStorage: the fingerprint must be a string')
+    if (!this.#prepared) await this.#prepare()
+    for (let round = 0; round < BEGIN_ROUNDS; round++) {
+      const result = await this.#retrying(() => this.#beginOnce(id, fingerprint, lease))
+      if (result !== undefined) return result
+    }
+    throw new Error(`KnexStorage: begin did not settle after ${BEGIN_ROUNDS} rounds of concurrent changes to one key`)
+  }
+
+  async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
+    const id = encodeKey(key)
+    const ttl = duration(expiration, 'expiration')
+    const body = toBuffer(response.body)
+    const headers = JSON.stringify(response.headers ?? {})
+    if (!this.#prepared) await this.#prepare()
+    const changed = await this.#retrying(() => {
+      const now = this.#now()
+      return this.#knex(this.#table)
+        .where({ idempotency_key: id, token, state: 'in_flight' })
+        .andWhere('lease_end', '>', now)
+        .update({
+          state: 'completed',
+          token: null,
+          lease_end: null,
+          status_code: response.statusCode,
+          content_type: response.contentType ?? null,
+          headers,
+          body,
+          expires_at: now + ttl
+        })
+    })
+    return Number(changed) === 1
+  }
+
+  async release (key: string, token: string): Promise<boolean> {
+    const id = encodeKey(key)
+    if (!this.#prepared) await this.#prepare()
+    const deleted = await this.#retrying(() => this.#knex(this.#table)
+      .where({ idempotency_key: id, token, state: 'in_flight' })
+      .andWhere('lease_end', '>', this.#now())
+      .del())
+    return Number(deleted) === 1
+  }
+
+  async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
+    const id = encodeKey(key)
+    const lease = duration(lockTimeout, 'lockTimeout')
+    if (!this.#prepared) await this.#prepare()
+    const changed = await this.#retrying(() => {
+      const now = this.#now()
+      return this.#knex(this.#table)
+        .where({ idempotency_key: id, token, state: 'in_flight' })
+        .andWhere('lease_end', '>', now)
+        .update({ lease_end: now + lease, expires_at: now + lease })
+    })
+    return Number(changed) === 1
+  }
+
+  /**
+   * Delete expired responses and lapsed leases, `batchSize` rows per statement, and return how
+   * many rows went. Rows that expire while the purge runs are left for the next run. Nothing
+   * depends on it for correctness (`begin` never replays an expired row); it only bounds the
+   * table's size.
+   */
+  async purgeExpired (options: PurgeExpiredOptions = {}): Promise<number> {
+    const batchSize = options.batchSize ?? 1000
+    if (!Number.isSafeInteger(batchSize) || batchSize < 1) throw new TypeError('KnexStorage: batchSize must be a positive integer')
+    if (!this.#prepared) await this.#prepare()
+    const now = this.#now()
+    let total = 0
+    for (;;) {
+      const { chosen, deleted } = await this.#retrying(() => this.#purgeBatch(now, batchSize))
+      total += deleted
+      // A short batch means nothing expired is left (or another purge is taking it).
+      if (chosen < batchSize) return total
+    }
+  }
+
+  /** Nothing to free: the knex instance belongs to the caller, who destroys it. */
+  async close (): Promise<void> {}
+
+  #prepare (): Promise<void> {
+    this.#ready ??= this.#init().then(() => { this.#prepared = true }, (error: unknown) => {
+      // A failed start (server down, no privileges) must not poison every later call.
+      this.#ready = undefined
+      throw error
+    })
+    return this.#ready
+  }
+
+  async #init (): Promise<void> {
+    if (this.#createTable) await createIdempotencyTable(this.#knex, this.#table)
+    if (this.#dialect === 'mysql') {
+      const [rows] = await this.#knex.raw('SELECT VERSION() AS version')
+      this.#returning = hasInsertReturning(String(rows?.[0]?.version ?? ''))
+    }
+  }
+
+  /** Run one statement again when the server picked it as a deadlock victim. */
+  async #retrying<T> (statement: () => PromiseLike<T>): Promise<T> {
+    for (let attempt = 0; ; attempt++) {
+      try {
+        return await statement()
+      } catch (error) {
+        if (attempt >= DEADLOCK_RETRIES || !isDeadlock(this.#dialect, error)) throw trimmed(error)
+        // A little jitter, so the two sides of the deadlock do not collide again in step.
+        await sleep(Math.random() * 5 * (attempt + 1))
+      }
+    }
+  }
+
+  /** One attempt: the result, or `undefined` when the row we lost to changed before we read it. */
+  async #beginOnce (id: Buffer, fingerprint: string, lease: number): Promise<BeginResult | undefined> {
+    const now = this.#now()
+    const leaseEnd = now + lease
+    const token = randomUUID()
+    const table = this.#table
+    if (this.#dialect === 'postgres') {
+      const { rows } = await this.#knex.raw(POSTGRES_BEGIN,
+        [table, id, now, table, id, fingerprint, token, leaseEnd, leaseEnd, now])
+      const row = rows[0] as (Row & { taken: number }) | undefined
+      if (row !== undefined && Number(row.taken) === 1) return { state: 'acquired', token }
+      if (row === undefined || row.state === null) return undefined
+      return toResult(row)
+    }
+    if (this.#dialect === 'mysql') {
+      // In the order of the placeholders: the insert, then each assignment's condition and value.
+      const bindings = [table, id, fingerprint, token, leaseEnd, leaseEnd,
+        now, fingerprint, now, now, token, now, leaseEnd, now, now, now, now, now, leaseEnd]
+      if (this.#returning) {
+        const [rows] = await this.#knex.raw(MARIADB_BEGIN, bindings)
+        const row = (rows as Row[])[0]
+        if (row === undefined) return undefined
+        if (row.token === token) return { state: 'acquired', token }
+        // The upsert left the row alone, so it was live at `now`: in flight or completed.
+        return toResult(row)
+      }
+      const [header] = await this.#knex.raw(MYSQL_BEGIN, bindings)
+      const outcome = Number((header as { insertId?: unknown }).insertId)
+      if (outcome === 0 || outcome === 1) return { state: 'acquired', token }
+      if (outcome !== 2) throw new Error(`KnexStorage: unexpected upsert outcome ${outcome}`)
+      return this.#readLive(id)
+    }
+    const rows = await this.#knex.raw(SQLITE_BEGIN, [table, id, fingerprint, token, leaseEnd, leaseEnd, now])
+    if ((rows as unknown[]).length === 1) return { state: 'acquired', token }
+    return this.#readLive(id)
+  }
+
+  /** The row as a live result, or `undefined` when it vanished or died since the upsert saw it. */
+  async #readLive (id: Buffer): Promise<BeginResult | undefined> {
+    const row = await this.#knex(this.#table)
+      .first(READ_COLUMNS)
+      .where('idempotency_key', id)
+      .andWhere('expires_at', '>', this.#now()) as Row | undefined
+    return row === undefined ? undefined : toResult(row)
+  }
+
+  /** One batch: how many expired rows it chose, and how many of them it deleted. */
+  async #purgeBatch (now: number, batchSize: number): Promise<{ chosen: number, deleted: number }> {
+    const table = this.#table
+    if (this.#dialect === 'mysql') {
+      // Choose the batch with a plain read, then delete by primary key. A DELETE that walks the
+      // expiry index locks index entries before rows, the reverse of the order `begin`'s upsert
+      // takes them in, and InnoDB then keeps picking one of the two as a deadlock victim.
+      // (MySQL also refuses LIMIT inside an IN subquery.)
+      const rows = await this.#knex(table).select('idempotency_key').where('expires_at', '<=', now)
+        .orderBy('expires_at').limit(batchSize) as Array<{ idempotency_key: Buffer }>
+      if (rows.length === 0) return { chosen: 0, deleted: 0 }
+      const deleted = await this.#knex(table).whereIn('idempotency_key', rows.map((row) => row.idempotency_key))
+        .andWhere('expires_at', '<=', now).del()
+      return { chosen: rows.length, deleted: Number(deleted) }
+    }
+    const batch = this.#knex(table).select('idempotency_key').where('expires_at', '<=', now).limit(batchSize)
+    // Concurrent purges on PostgreSQL take disjoint batches instead of waiting on each other.
+    if (this.#dialect === 'postgres') batch.forUpdate().skipLocked()
+    // The outer condition is checked again on the row as it is when deleted, so a row that a
+    // `begin` took over after the batch was chosen survives.
+    const deleted = Number(await this.#knex(table).whereIn('idempotency_key', batch).andWhere('expires_at', '<=', now).del())
+    return { chosen: deleted, deleted }
+  }
+}
