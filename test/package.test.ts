@@ -72,6 +72,15 @@ describe('the packed package', () => {
     expect(run(process.execPath, ['-e', script], consumer).trim()).toBe('ok')
   })
 
+  it('passes publint and are-the-types-wrong (node16 from ESM and CJS, bundlers)', () => {
+    const bin = (name: string) => join(root, 'node_modules', '.bin', name)
+    expect(() => run(bin('publint'), ['--strict', installed], root)).not.toThrow()
+    const report = run(bin('attw'), [tarball, '--profile', 'node16', '--format', 'json'], root)
+    // node10 resolution predates `exports` and cannot see subpath entries; Node 20+ users never use it.
+    const problems = (JSON.parse(report) as { analysis: { problems: Array<{ resolutionKind?: string }> } }).analysis.problems
+    expect(problems.filter((problem) => problem.resolutionKind !== 'node10')).toEqual([])
+  })
+
   it('type-checks a consumer from ESM and from CommonJS', () => {
     const source = `import Fastify from 'fastify'
 import idempotency, { idempotencyErrorHandler, IdempotencyFingerprintMismatchError, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from 'fastify-idempotency'
