@@ -152,6 +152,55 @@ describe('over real HTTP', () => {
     expect(retry.json()).toEqual({ run: 2 })
   })
 
+  it('frees the key when Fastify\'s handlerTimeout answers 503, so an immediate retry runs', async () => {
+    app = Fastify({ handlerTimeout: 100 })
+    await app.register(idempotency)
+    app.setErrorHandler(idempotencyErrorHandler())
+    let runs = 0
+    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      // The first run outlives the timeout (Fastify answers 503 while it keeps running).
+      if (runs === 1) await new Promise((resolve) => setTimeout(resolve, 1000))
+      reply.code(201)
+      return { run: runs }
+    })
+    const key = newKey()
+    const send = () => app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: {} })
+    expect((await send()).statusCode).toBe(503)
+    const retry = await send()
+    expect(retry.statusCode).toBe(201)
+    expect(retry.json()).toEqual({ run: 2 })
+    expect((await send()).headers['idempotent-replayed']).toBe('true')
+  })
+
+  it('stores the response of a handler that outlives connectionTimeout, so the retry replays it', async () => {
+    const storage = observed(new MemoryStorage())
+    app = Fastify({ connectionTimeout: 150 })
+    await app.register(idempotency, { storage })
+    app.setErrorHandler(idempotencyErrorHandler())
+    let runs = 0
+    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      await new Promise((resolve) => setTimeout(resolve, 400))
+      reply.code(201)
+      return { run: runs }
+    })
+    await app.listen({ host: '127.0.0.1', port: 0 })
+    const port = (app.server.address() as { port: number }).port
+    const key = newKey()
+    const failed = await new Promise<string>((resolve) => {
+      const req = httpRequest({ host: '127.0.0.1', port, method: 'POST', path: '/orders', headers: { 'content-type': 'application/json', 'idempotency-key': key, 'content-length': 2 } }, (res) => resolve(`answered ${res.statusCode}`))
+      req.on('error', (error) => resolve(error.message))
+      req.end('{}')
+    })
+    expect(failed).toBe('socket hang up')
+    expect(await storage.settled).toBe('complete')
+    const retry = await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, payload: '{}' })
+    expect(retry.statusCode).toBe(201)
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(runs).toBe(1)
+  })
+
   it('gives unflagged routes no hook at all, and lets them behave as if the plugin were absent', async () => {
     app = Fastify()
     await app.register(idempotency, { required: true })

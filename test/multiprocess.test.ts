@@ -14,15 +14,28 @@ import knexFactory from 'knex'
 import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { effectCount, postOrder, startServers, type Answer, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
+import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-mp-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
 
-const stores: Array<{ store: string, availability: Availability, env: Record<string, string> }> = [
+let cluster: RedisClusterHandle | undefined
+afterAll(async () => { await cluster?.stop() })
+
+const stores: Array<{ store: string, availability: Availability, env: Record<string, string>, setup?: () => Promise<Record<string, string>> }> = [
   { store: 'redis', availability: await service(REDIS), env: {} },
   { store: 'postgres', availability: await service(POSTGRES), env: {} },
   { store: 'mysql', availability: await service(MARIADB), env: {} },
-  { store: 'sqlite', availability: { available: true, reason: '' }, env: { SQLITE_FILE: join(sqliteDir, 'shared.db') } }
+  { store: 'sqlite', availability: { available: true, reason: '' }, env: { SQLITE_FILE: join(sqliteDir, 'shared.db') } },
+  {
+    store: 'redis-cluster',
+    availability: redisClusterAvailability(),
+    env: {},
+    setup: async () => {
+      cluster = await startRedisCluster()
+      return { REDIS_CLUSTER_PORTS: cluster.nodes.map((node) => node.port).join(',') }
+    }
+  }
 ]
 
 const LOCK_TIMEOUT = 2500
@@ -46,14 +59,14 @@ function spread (servers: ServerProcess[], count: number, key: string, headers: 
   return Promise.all(Array.from({ length: count }, (_, i) => postOrder(servers[i % servers.length]!, key, { amount: 42 }, headers)))
 }
 
-for (const { store, availability, env } of stores) {
+for (const { store, availability, env, setup } of stores) {
   describe.skipIf(!availability.available)(`several processes on ${store}${availability.reason}`, () => {
     const namespace = `mp_${store}_${process.pid}_${Date.now()}`
     let servers: ServerProcess[] = []
     let waiting: ServerProcess[] = []
 
     beforeAll(async () => {
-      const base = { STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), ...env }
+      const base = { STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), ...env, ...await setup?.() }
       servers = await startServers(3, base)
       waiting = await startServers(2, { ...base, WAIT: '1' })
     }, 120_000)
