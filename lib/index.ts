@@ -4,7 +4,7 @@
  */
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
-import { createRouteHooks, kState } from './lifecycle.js'
+import { createRouteHooks, kState, type IdempotencyRequestContext } from './lifecycle.js'
 import { documentRoute } from './openapi.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
 
@@ -12,6 +12,10 @@ declare module 'fastify' {
   interface FastifyContextConfig {
     /** Guard this route: `true` with the plugin's options, or per-route overrides. */
     idempotency?: boolean | IdempotencyRouteOptions
+  }
+  interface FastifyRequest {
+    /** On a guarded route, for a request with an Idempotency-Key: its key and, in transaction mode, its transaction. Otherwise `null`. */
+    idempotency: IdempotencyRequestContext | null
   }
 }
 
@@ -25,7 +29,10 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   const base = normalizeOptions(options)
   const headerLabel = options.headerName ?? 'Idempotency-Key'
   // A second registration (in another encapsulated context, say) shares the decoration.
-  if (!fastify.hasRequestDecorator(kState as unknown as string)) fastify.decorateRequest(kState as unknown as string, null)
+  if (!fastify.hasRequestDecorator(kState as unknown as string)) {
+    fastify.decorateRequest(kState as unknown as string, null)
+    fastify.decorateRequest('idempotency', null)
+  }
 
   fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
@@ -57,6 +64,7 @@ export default idempotency
 export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
 export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
 export type { FingerprintOptions } from './fingerprint.js'
+export type { IdempotencyRequestContext } from './lifecycle.js'
 export {
   IdempotencyError,
   IdempotencyFingerprintError,
@@ -80,5 +88,7 @@ export type {
   BeginInFlight,
   BeginResult,
   IdempotencyStorage,
-  StoredResponse
+  StorageTransaction,
+  StoredResponse,
+  TransactionalStorage
 } from './storage/types.js'

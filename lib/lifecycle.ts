@@ -22,7 +22,7 @@ import { channels, type IdempotencyEvent, type IdempotencyOutcome } from './diag
 import { computeFingerprint } from './fingerprint.js'
 import { readIdempotencyKey } from './key.js'
 import type { RouteSettings } from './options.js'
-import type { StoredResponse } from './storage/types.js'
+import type { StorageTransaction, StoredResponse, TransactionalStorage } from './storage/types.js'
 
 /** Where the per-request state lives (a request decoration, so request objects keep one shape). */
 export const kState = Symbol('fastify-idempotency.state')
@@ -49,7 +49,23 @@ interface RequestState {
   replayWithoutType: boolean
   /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
   failed: boolean
+  /** Transaction mode: the transaction the handler writes through, committed with the stored response. */
+  transaction: StorageTransaction | null
 }
+
+/** What a guarded request exposes to its handler as `request.idempotency`. */
+export interface IdempotencyRequestContext {
+  /** The request's Idempotency-Key (unquoted). */
+  readonly key: string
+  /**
+   * Transaction mode: the database transaction to write through (a knex transaction with
+   * KnexStorage; `transactionOf(request)` from 'fastify-idempotency/knex' returns it typed).
+   * `undefined` otherwise.
+   */
+  readonly transaction: unknown
+}
+
+type ContextRequest = FastifyRequest & { idempotency: IdempotencyRequestContext | null }
 
 type StatefulRequest = FastifyRequest & { [kState]: RequestState | null }
 
@@ -91,7 +107,8 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
       return
     }
-    (request as StatefulRequest)[kState] = { key, phase: 'idle', started: 0, storageKey: '', token: '', renewal: null, replayWithoutType: false, failed: false }
+    (request as ContextRequest).idempotency = { key, transaction: undefined }
+    ;(request as StatefulRequest)[kState] = { key, phase: 'idle', started: 0, storageKey: '', token: '', renewal: null, replayWithoutType: false, failed: false, transaction: null }
     done()
   }
 
@@ -135,6 +152,7 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
         state.phase = 'held'
         state.storageKey = storageKey
         state.token = result.token
+        if (settings.transaction) await openTransaction(request, state)
         holdLease(request, reply, state)
         return undefined
       }
@@ -189,6 +207,23 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     reply.send(response.body)
   }
 
+  /**
+   * Transaction mode: the lease is already committed on its own (so duplicates see the request in
+   * flight); the handler's writes and the stored response go into this transaction.
+   */
+  async function openTransaction (request: FastifyRequest, state: RequestState): Promise<void> {
+    try {
+      state.transaction = await (storage as TransactionalStorage).transaction()
+    } catch (error) {
+      state.phase = 'settling'
+      emit('store-error', request, state, { phase: 'begin', failOpen: false, error })
+      request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency transaction could not be opened: answering 503')
+      await storage.release(state.storageKey, state.token).catch(() => {})
+      throw new IdempotencyStoreUnavailableError(state.key, error)
+    }
+    (request as ContextRequest).idempotency = { key: state.key, transaction: state.transaction.handle }
+  }
+
   /** Keep the lease alive while the handler runs, and let a hijacked reply give it back. */
   function holdLease (request: FastifyRequest, reply: FastifyReply, state: RequestState): void {
     const renewEvery = Math.max(1, Math.floor(settings.lockTimeout / 3))
@@ -223,11 +258,14 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
 
   /**
    * Store the response, or with `null` drop the lease (`why` says why). Never throws: the client
-   * gets its response whatever the store does.
+   * gets its response whatever the store does. Resolves `false` only in transaction mode, when the
+   * response was meant to be kept and was not (its writes were rolled back): the client must not
+   * receive it as a success.
    */
-  async function settle (request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse | null, why: NotStored = 'not-cacheable'): Promise<void> {
+  async function settle (request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse | null, why: NotStored = 'not-cacheable'): Promise<boolean> {
     state.phase = 'settling'
     if (state.renewal !== null) clearInterval(state.renewal)
+    if (state.transaction !== null) return settleTransaction(request, reply, state, state.transaction, response, why)
     let reason: NotStored | undefined = response === null ? why : undefined
     const phase = response === null ? 'release' : 'complete'
     try {
@@ -244,6 +282,43 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       request.log.error({ err: error, idempotencyKey: state.key }, `idempotency store failed after the handler ran: the response was sent but ${response === null ? 'the key stays locked until its lease lapses' : 'not stored'}`)
     }
     emit('execute', request, state, { statusCode: reply.statusCode, stored: reason === undefined, ...(reason === undefined ? {} : { reason }) })
+    return true
+  }
+
+  /**
+   * Transaction mode: commit the handler's writes with the stored response, or roll both back and
+   * free the key. A response that was to be kept but could not be (lease lost, commit failed)
+   * resolves `false`.
+   */
+  async function settleTransaction (request: FastifyRequest, reply: FastifyReply, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, why: NotStored): Promise<boolean> {
+    let reason: NotStored | undefined = response === null ? why : undefined
+    try {
+      if (response !== null && await transaction.complete(state.storageKey, state.token, response, settings.expiration)) {
+        await transaction.commit()
+      } else {
+        if (response !== null) {
+          reason = 'lease-lost'
+          emit('lease-lost', request, state, { phase: 'complete' })
+          request.log.warn({ idempotencyKey: state.key }, 'idempotency lease was lost before commit: the transaction was rolled back')
+        }
+        await transaction.rollback()
+      }
+    } catch (error) {
+      reason = response === null ? why : 'store-error'
+      emit('store-error', request, state, { phase: 'complete', error })
+      request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency transaction failed: rolled back')
+      await transaction.rollback().catch(() => {})
+    }
+    if (reason !== undefined) {
+      await storage.release(state.storageKey, state.token).catch((error: unknown) => {
+        emit('store-error', request, state, { phase: 'release', error })
+        request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency lease could not be released: the key stays locked until its lease lapses')
+      })
+    }
+    emit('execute', request, state, { statusCode: reply.statusCode, stored: reason === undefined, ...(reason === undefined ? {} : { reason }) })
+    // An error answer rolled back is what the client expects; a success whose writes were rolled
+    // back (lease lost, commit failed, or a body that cannot be stored) is not.
+    return reason === undefined || reason === 'not-cacheable' || reason === 'failed' || reason === 'hijacked'
   }
 
   async function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown): Promise<unknown> {
@@ -260,17 +335,25 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
     }
     const bytes = payloadBytes(payload)
     if (bytes !== null) {
-      if (bytes.length > settings.maxResponseBytes) await settle(request, reply, state, null, 'too-large')
-      else await settle(request, reply, state, snapshotResponse(reply, settings.excludedHeaders, bytes))
+      const response = bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, settings.excludedHeaders, bytes)
+      if (!await settle(request, reply, state, response, 'too-large')) {
+        // Transaction mode: the writes were rolled back, so this success must not reach the client.
+        throw new IdempotencyStoreUnavailableError(state.key, new Error('transaction not committed'))
+      }
       return payload
     }
     if (isNodeStream(payload)) {
       state.phase = 'settling'
-      return captureStream(payload, settings.maxResponseBytes, (body, why) =>
-        settle(request, reply, state, body === null ? null : snapshotResponse(reply, settings.excludedHeaders, body), why))
+      return captureStream(payload, settings.maxResponseBytes, async (body, why) => {
+        const kept = await settle(request, reply, state, body === null ? null : snapshotResponse(reply, settings.excludedHeaders, body), why)
+        // Too late for another status: cut the response, so the client never sees a clean success.
+        if (!kept) reply.raw.destroy(new Error('fastify-idempotency: transaction not committed'))
+      })
     }
-    // A web stream or a Response: sent as it is, not stored.
-    await settle(request, reply, state, null, 'not-capturable')
+    // A web stream or a Response: sent as it is, not stored (in transaction mode, refused).
+    if (!await settle(request, reply, state, null, 'not-capturable')) {
+      throw new IdempotencyStoreUnavailableError(state.key, new Error('response cannot be stored in transaction mode'))
+    }
     return payload
   }
 

@@ -7,7 +7,7 @@ import { Ajv, type ErrorObject } from 'ajv'
 import type { FastifyRequest } from 'fastify'
 import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
 import { MemoryStorage } from './storage/memory.js'
-import type { IdempotencyStorage } from './storage/types.js'
+import type { IdempotencyStorage, TransactionalStorage } from './storage/types.js'
 
 /** What a route may set in `config.idempotency` (and what the plugin options set for every route). */
 export interface IdempotencyRouteOptions {
@@ -37,6 +37,12 @@ export interface IdempotencyRouteOptions {
   wait?: boolean
   /** With `wait`, how long a duplicate waits before it gets the 409 after all (default `'10s'`). */
   waitTimeout?: number | string
+  /**
+   * Run the handler's writes and the stored response in one database transaction, handed to the
+   * handler as `request.idempotency.transaction` (default `false`). Needs a storage that supports
+   * it (KnexStorage).
+   */
+  transaction?: boolean
   /** Namespace keys by principal (tenant, user, API key) so one never receives another's response. */
   scope?: (request: FastifyRequest) => string | Promise<string>
 }
@@ -71,6 +77,8 @@ export interface RouteSettings {
   maxResponseBytes: number
   mismatchStatusCode: 409 | 422
   failOpen: boolean
+  /** Open a StorageTransaction for the handler (transaction mode). */
+  transaction: boolean
   /** Milliseconds a duplicate of an in-flight request waits; 0 answers 409 at once. */
   waitTimeout: number
   scope: ((request: FastifyRequest) => string | Promise<string>) | null
@@ -129,6 +137,7 @@ const routeProperties = {
   failOpen: { type: 'boolean' },
   wait: { type: 'boolean' },
   waitTimeout: duration,
+  transaction: { type: 'boolean' },
   // Functions and objects are checked by hand below: JSON Schema cannot describe them.
   scope: {}
 }
@@ -199,6 +208,13 @@ function checkStorage (storage: unknown): void {
   }
 }
 
+function checkTransaction (transaction: boolean, storage: IdempotencyStorage, context: string): boolean {
+  if (transaction && typeof (storage as Partial<TransactionalStorage>).transaction !== 'function') {
+    throw new TypeError(`fastify-idempotency: invalid ${context}: transaction mode needs a storage that supports transactions (KnexStorage), not ${storage.constructor.name}`)
+  }
+  return transaction
+}
+
 function cacheableSet (base: Iterable<number>, add: number[] = [], remove: number[] = []): Set<number> {
   const set = new Set(base)
   for (const code of add) set.add(code)
@@ -218,8 +234,9 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
   if (options.replaySetCookie !== true) excluded.add('set-cookie')
   if (replayHeader !== false) excluded.add(replayHeader.toLowerCase())
   for (const name of options.excludeHeaders ?? []) excluded.add(name.toLowerCase())
+  const storage = options.storage ?? new MemoryStorage()
   return {
-    storage: options.storage ?? new MemoryStorage(),
+    storage,
     headerName: (options.headerName ?? 'Idempotency-Key').toLowerCase(),
     maxKeyLength: options.maxKeyLength ?? 255,
     required: options.required ?? false,
@@ -232,6 +249,7 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
     mismatchStatusCode: options.mismatchStatusCode ?? 409,
     failOpen: options.failOpen ?? false,
     waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
+    transaction: checkTransaction(options.transaction ?? false, storage, context),
     scope: options.scope ?? null,
     replayHeader: replayHeader === false ? null : replayHeader,
     excludedHeaders: excluded
@@ -280,6 +298,7 @@ export function routeSettings (base: RouteSettings, config: unknown, routeName: 
     mismatchStatusCode: route.mismatchStatusCode ?? base.mismatchStatusCode,
     failOpen: route.failOpen ?? base.failOpen,
     waitTimeout: routeWaitTimeout(base, route, context),
+    transaction: checkTransaction(route.transaction ?? base.transaction, base.storage, context),
     scope: route.scope ?? base.scope
   }
 }

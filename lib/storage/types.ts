@@ -78,3 +78,22 @@ export interface IdempotencyStorage {
   /** Free what the provider created itself. Never closes a client it was given. */
   close? (): Promise<void>
 }
+
+/**
+ * One database transaction that carries both the handler's writes and the stored response, so
+ * they commit together or not at all (transaction mode). Nothing it writes is visible to other
+ * requests before `commit`.
+ */
+export interface StorageTransaction {
+  /** What the handler writes through (for KnexStorage, a knex transaction). */
+  readonly handle: unknown
+  /** Store the response inside the transaction, fenced by `token`; `false` when the lease was lost. */
+  complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean>
+  commit (): Promise<void>
+  rollback (): Promise<void>
+}
+
+/** A provider that can open a StorageTransaction (KnexStorage). */
+export interface TransactionalStorage extends IdempotencyStorage {
+  transaction (): Promise<StorageTransaction>
+}

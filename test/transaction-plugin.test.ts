@@ -1,0 +1,122 @@
+/**
+ * Transaction mode as the plugin drives it, with a transactional storage that records what it is
+ * asked (the real one, KnexStorage on each database, is in transaction.test.ts).
+ */
+import { describe, expect, it } from 'vitest'
+import Fastify from 'fastify'
+import idempotency, { idempotencyErrorHandler, MemoryStorage, type StorageTransaction, type StoredResponse, type TransactionalStorage } from '../lib/index.js'
+import { newKey } from './helpers/app.js'
+
+type Failure = 'none' | 'commit' | 'lease'
+
+function recording (failure: () => Failure) {
+  const log: string[] = []
+  const inner = new MemoryStorage()
+  const storage: TransactionalStorage = {
+    begin: (k, f, l) => inner.begin(k, f, l),
+    complete: (k, t, r, e) => inner.complete(k, t, r, e),
+    release: async (k, t) => { log.push('release'); return inner.release(k, t) },
+    renew: (k, t, l) => inner.renew(k, t, l),
+    transaction: async (): Promise<StorageTransaction> => {
+      log.push('open')
+      let pending: [string, string, StoredResponse, number] | null = null
+      return {
+        handle: { writes: log },
+        complete: async (k, t, r, e) => {
+          log.push('complete')
+          if (failure() === 'lease') return false
+          pending = [k, t, r, e]
+          return true
+        },
+        commit: async () => {
+          if (failure() === 'commit') throw new Error('serialization failure')
+          log.push('commit')
+          if (pending !== null) await inner.complete(...pending)
+        },
+        rollback: async () => { log.push('rollback') }
+      }
+    }
+  }
+  return { storage, log }
+}
+
+async function appWith (storage: TransactionalStorage) {
+  const app = Fastify()
+  await app.register(idempotency, { storage, transaction: true, maxResponseBytes: 100 })
+  app.setErrorHandler(idempotencyErrorHandler())
+  app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+    const handle = request.idempotency!.transaction as { writes: string[] }
+    handle.writes.push('write')
+    const mode = (request.body as { mode?: string }).mode
+    if (mode === 'throw') throw new Error('handler failed')
+    if (mode === '400') { reply.code(400); return { bad: true } }
+    if (mode === 'big') return 'x'.repeat(500)
+    reply.code(201)
+    return { id: 1 }
+  })
+  await app.ready()
+  return (key: string, mode?: string) => app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { mode } })
+}
+
+describe('transaction mode (plugin side)', () => {
+  it('commits the handler\'s writes with the stored response, and replays without a transaction', async () => {
+    const { storage, log } = recording(() => 'none')
+    const send = await appWith(storage)
+    const key = newKey()
+    expect((await send(key)).statusCode).toBe(201)
+    expect(log).toEqual(['open', 'write', 'complete', 'commit'])
+    const replay = await send(key)
+    expect(replay.headers['idempotent-replayed']).toBe('true')
+    expect(log).toEqual(['open', 'write', 'complete', 'commit'])
+  })
+
+  for (const [mode, status] of [['throw', 500], ['400', 400]] as const) {
+    it(`rolls back and frees the key when the handler answers ${status}`, async () => {
+      const { storage, log } = recording(() => 'none')
+      const send = await appWith(storage)
+      const key = newKey()
+      expect((await send(key, mode)).statusCode).toBe(status)
+      expect(log).toEqual(['open', 'write', 'rollback', 'release'])
+      expect((await send(key)).statusCode).toBe(201)
+    })
+  }
+
+  for (const failure of ['commit', 'lease'] as const) {
+    it(`answers 503 problem+json, never the success, when ${failure === 'commit' ? 'the commit fails' : 'the lease was lost'}`, async () => {
+      let mode: Failure = failure
+      const { storage, log } = recording(() => mode)
+      const send = await appWith(storage)
+      const key = newKey()
+      const res = await send(key)
+      expect(res.statusCode).toBe(503)
+      expect(res.json().type).toMatch(/#store-unavailable$/)
+      expect(log).toContain('rollback')
+      expect(log.at(-1)).toBe('release')
+      mode = 'none'
+      expect((await send(key)).statusCode).toBe(201)
+    })
+  }
+
+  it('refuses to send a success it cannot store (too large), rolling back', async () => {
+    const { storage, log } = recording(() => 'none')
+    const send = await appWith(storage)
+    const res = await send(newKey(), 'big')
+    expect(res.statusCode).toBe(503)
+    expect(log).toEqual(['open', 'write', 'rollback', 'release'])
+  })
+
+  it('exposes the key (and no transaction) on request.idempotency outside transaction mode', async () => {
+    const app = Fastify()
+    await app.register(idempotency)
+    app.post('/o', { config: { idempotency: true } }, async (request) => ({ context: request.idempotency }))
+    app.post('/plain', async (request) => ({ context: request.idempotency }))
+    const res = await app.inject({ method: 'POST', url: '/o', headers: { 'idempotency-key': 'k-1' }, payload: {} })
+    expect(res.json()).toEqual({ context: { key: 'k-1' } })
+    expect((await app.inject({ method: 'POST', url: '/plain', payload: {} })).json()).toEqual({ context: null })
+  })
+
+  it('refuses transaction mode on a storage without transactions, at start-up', async () => {
+    const app = Fastify()
+    await expect(app.register(idempotency, { transaction: true })).rejects.toThrow(/transaction mode needs a storage that supports transactions \(KnexStorage\), not MemoryStorage/)
+  })
+})
