@@ -7,7 +7,7 @@
  * naming the encoding version and the enabled option set, so two routes (or two deployments)
  * fingerprinting differently never produce equal fingerprints for the same request.
  */
-import { createHash, type Hash } from 'node:crypto'
+import { createHash, hash } from 'node:crypto'
 import canonicalizeModule from 'canonicalize'
 import type { FastifyRequest } from 'fastify'
 
@@ -43,6 +43,8 @@ export interface FingerprintSettings {
   headers: string[]
   /** Version and option set, hashed first. */
   tag: string
+  /** `tag` as its encoded part, computed once. */
+  tagPart: string
 }
 
 // A CommonJS module typed with `export default`: under Node its default import is the function.
@@ -71,12 +73,38 @@ export function normalizeFingerprint (options: FingerprintOptions = {}): Fingerp
     headers
   }
   const tag = JSON.stringify([VERSION, settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, headers])
-  return { ...settings, tag }
+  return { ...settings, tag, tagPart: `t${Buffer.byteLength(tag)}:${tag}` }
 }
 
-function writePart (hash: Hash, type: string, data: string | Buffer): void {
-  hash.update(`${type}${Buffer.byteLength(data)}:`)
-  hash.update(data)
+/**
+ * Collects the encoded parts. Text-only requests (the usual JSON body) are hashed in one shot
+ * over one string, which costs a fraction of feeding a Hash object part by part; a Buffer body
+ * switches to the incremental Hash. Both digest the same byte stream.
+ */
+class Encoder {
+  text = ''
+  buffers: Array<string | Buffer> | null = null
+
+  raw (data: string): void {
+    if (this.buffers === null) this.text += data
+    else this.buffers.push(data)
+  }
+
+  part (type: string, data: string | Buffer): void {
+    if (typeof data === 'string') {
+      this.raw(`${type}${Buffer.byteLength(data)}:${data}`)
+      return
+    }
+    this.buffers ??= [this.text]
+    this.buffers.push(`${type}${data.length}:`, data)
+  }
+
+  digest (): string {
+    if (this.buffers === null) return hash('sha256', this.text, 'base64url')
+    const incremental = createHash('sha256')
+    for (const piece of this.buffers) incremental.update(piece)
+    return incremental.digest('base64url')
+  }
 }
 
 /** The value at a pointer, or `undefined` when the path does not exist. */
@@ -124,57 +152,57 @@ function selectMembers (body: unknown, settings: FingerprintSettings): unknown {
 
 const JSON_TYPE = /^application\/(?:[\w.+-]+\+)?json\b/i
 
-function writeBody (hash: Hash, body: unknown, contentType: string | undefined, settings: FingerprintSettings): void {
+function writeBody (out: Encoder, body: unknown, contentType: string | undefined, settings: FingerprintSettings): void {
   if (body === undefined) {
-    hash.update('n')
+    out.raw('n')
   } else if (Buffer.isBuffer(body) || (typeof body === 'string' && !(contentType !== undefined && JSON_TYPE.test(contentType)))) {
     // Bytes as received: a text or binary body, or whatever a custom parser left as a Buffer.
-    writePart(hash, 'r', body)
+    out.part('r', body)
   } else {
     // A parsed JSON value (a JSON string body included, so it differs from the same text as text/plain).
-    writePart(hash, 'j', canonicalize(selectMembers(body, settings)) ?? '')
+    out.part('j', canonicalize(selectMembers(body, settings)) ?? '')
   }
 }
 
-function writeQuery (hash: Hash, url: string): void {
+function writeQuery (out: Encoder, url: string): void {
   const mark = url.indexOf('?')
   if (mark === -1 || mark === url.length - 1) {
-    hash.update('q0:')
+    out.raw('q0:')
     return
   }
   // Parameters sorted by name (a stable sort keeps the order of a repeated name's values, which
   // can carry meaning); names and values compared decoded, so %41 and A are the same.
   const pairs = [...new URLSearchParams(url.slice(mark + 1))].sort((a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0))
-  hash.update(`q${pairs.length}:`)
+  out.raw(`q${pairs.length}:`)
   for (const [name, value] of pairs) {
-    writePart(hash, 'k', name)
-    writePart(hash, 'v', value)
+    out.part('k', name)
+    out.part('v', value)
   }
 }
 
-function writeHeader (hash: Hash, value: string | string[] | undefined): void {
+function writeHeader (out: Encoder, value: string | string[] | undefined): void {
   if (value === undefined) {
-    hash.update('a')
+    out.raw('a')
   } else if (typeof value === 'string') {
-    writePart(hash, 'h', value)
+    out.part('h', value)
   } else {
-    hash.update(`l${value.length}:`)
-    for (const item of value) writePart(hash, 'h', item)
+    out.raw(`l${value.length}:`)
+    for (const item of value) out.part('h', item)
   }
 }
 
 export function computeFingerprint (request: FastifyRequest, settings: FingerprintSettings): string {
-  const hash = createHash('sha256')
-  writePart(hash, 't', settings.tag)
-  if (settings.method) writePart(hash, 'm', request.method)
+  const out = new Encoder()
+  out.raw(settings.tagPart)
+  if (settings.method) out.part('m', request.method)
   if (settings.path) {
     const mark = request.url.indexOf('?')
-    writePart(hash, 'p', mark === -1 ? request.url : request.url.slice(0, mark))
+    out.part('p', mark === -1 ? request.url : request.url.slice(0, mark))
   }
-  if (settings.query) writeQuery(hash, request.url)
+  if (settings.query) writeQuery(out, request.url)
   const contentType = request.headers['content-type']
-  if (settings.contentType) writeHeader(hash, contentType?.trim().toLowerCase())
-  for (const name of settings.headers) writeHeader(hash, request.headers[name])
-  if (settings.body) writeBody(hash, request.body, contentType, settings)
-  return hash.digest('base64url')
+  if (settings.contentType) writeHeader(out, contentType?.trim().toLowerCase())
+  for (const name of settings.headers) writeHeader(out, request.headers[name])
+  if (settings.body) writeBody(out, request.body, contentType, settings)
+  return out.digest()
 }

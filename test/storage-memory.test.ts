@@ -58,6 +58,20 @@ describe('MemoryStorage bounds', () => {
     expect((await storage.begin('k', 'fp', 60_000)).state).toBe('acquired')
   })
 
+  it('drops expired entries as new ones are written, without waiting for a read or for LRU pressure', async () => {
+    let now = 1_000_000
+    const storage = new MemoryStorage({ now: () => now })
+    const store = async (key: string, expiration: number) => {
+      const begun = await storage.begin(key, 'fp', 60_000)
+      if (begun.state !== 'acquired') throw new Error('expected a lease')
+      await storage.complete(key, begun.token, response(1), expiration)
+    }
+    for (let i = 0; i < 10; i++) await store(`old${i}`, 1000)
+    now += 2000
+    for (let i = 0; i < 10; i++) await store(`new${i}`, 60_000)
+    expect(storage.size).toBe(10)
+  })
+
   it('refuses nonsensical bounds', () => {
     expect(() => new MemoryStorage({ maxEntries: 0 })).toThrow(/maxEntries/)
     expect(() => new MemoryStorage({ maxBytes: 1.5 })).toThrow(/maxBytes/)

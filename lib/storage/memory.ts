@@ -25,8 +25,14 @@ interface Entry {
 
 /** Rough per-entry bookkeeping cost, so thousands of empty bodies still count against `maxBytes`. */
 const ENTRY_OVERHEAD_BYTES = 256
-/** Sweep expired entries after this many writes, so they do not wait for LRU pressure. */
-const SWEEP_EVERY_WRITES = 1024
+/**
+ * Expired entries go three ways: a read drops the one it finds; every write drops up to two
+ * expired entries from the least recently used end (cheap, and where old entries gather); and
+ * every 65 536 writes one full sweep catches the rest (a full sweep walks every entry, so it is
+ * kept rare enough to cost about one step per write).
+ */
+const SWEEP_EVERY_WRITES = 65_536
+const OLDEST_CHECKED_PER_WRITE = 2
 
 function entrySize (key: string, entry: Entry): number {
   let size = ENTRY_OVERHEAD_BYTES + key.length + entry.fingerprint.length + entry.response.body.length
@@ -107,6 +113,7 @@ export class MemoryStorage implements IdempotencyStorage {
     this.#leases.delete(key)
     this.#entries.set(key, { fingerprint: lease.fingerprint, response, expiresAt: this.#now() + expiration }, { ttl: expiration })
     this.#notify(key)
+    this.#dropOldestExpired()
     if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
     return true
   }
@@ -159,6 +166,17 @@ export class MemoryStorage implements IdempotencyStorage {
     const lease = this.#leases.get(key)
     if (lease === undefined || lease.token !== token || lease.expiresAt <= this.#now()) return undefined
     return lease
+  }
+
+  #dropOldestExpired (): void {
+    const now = this.#now()
+    let expired: string[] | null = null
+    let checked = 0
+    for (const [key, entry] of this.#entries.rentries() as Generator<[string, Entry]>) {
+      if (++checked > OLDEST_CHECKED_PER_WRITE || entry.expiresAt > now) break
+      ;(expired ??= []).push(key)
+    }
+    if (expired !== null) for (const key of expired) this.#entries.delete(key)
   }
 
   #sweep (): void {
