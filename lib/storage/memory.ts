@@ -64,15 +64,12 @@ export class MemoryStorage implements IdempotencyStorage {
     if (!Number.isInteger(maxEntries) || maxEntries < 1) throw new TypeError('MemoryStorage: maxEntries must be a positive integer')
     if (!Number.isInteger(maxBytes) || maxBytes < 1) throw new TypeError('MemoryStorage: maxBytes must be a positive integer')
     this.#now = options.now ?? Date.now
-    const now = this.#now
     this.#entries = new LRUCache<string, Entry>({
       max: maxEntries,
       maxSize: maxBytes,
-      sizeCalculation: (entry, key) => entrySize(key, entry),
-      // lru-cache keeps its own TTL clock; give it ours so injected clocks drive eviction too.
-      perf: { now },
-      ttlResolution: 0,
-      ttlAutopurge: false
+      sizeCalculation: (entry, key) => entrySize(key, entry)
+      // No lru-cache TTL: entries carry their own expiry, checked against `now` here, which keeps
+      // lru-cache's per-entry TTL bookkeeping off the hot path and every entry visible to sweeps.
     })
   }
 
@@ -111,7 +108,7 @@ export class MemoryStorage implements IdempotencyStorage {
     const lease = this.#heldLease(key, token)
     if (lease === undefined) return false
     this.#leases.delete(key)
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response, expiresAt: this.#now() + expiration }, { ttl: expiration })
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response, expiresAt: this.#now() + expiration })
     this.#notify(key)
     this.#dropOldestExpired()
     if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
@@ -180,8 +177,10 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   #sweep (): void {
-    this.#entries.purgeStale()
     const now = this.#now()
+    const expired: string[] = []
+    for (const [key, entry] of this.#entries.entries() as Generator<[string, Entry]>) if (entry.expiresAt <= now) expired.push(key)
+    for (const key of expired) this.#entries.delete(key)
     for (const [key, lease] of this.#leases) {
       if (lease.expiresAt <= now) this.#leases.delete(key)
     }
