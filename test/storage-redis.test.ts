@@ -149,7 +149,7 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
         const replay = await commandsSent(target, async () => {
           expect((await storage.begin(key, 'fp', LEASE)).state).toBe('completed')
         })
-        expect(replay).toEqual(['evalsha'])
+        expect(replay).toEqual(['set'])
 
         const other = freshKey('trips-release')
         const held = await storage.begin(other, 'fp', LEASE)
@@ -199,7 +199,7 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
           if (result.state === 'acquired') token = result.token
         }, 1)
         await expectReceived(() => storage.complete(key, token, response, EXPIRY), 1)
-        await expectReceived(() => storage.begin(key, 'fp', LEASE), ['evalsha'])
+        await expectReceived(() => storage.begin(key, 'fp', LEASE), ['set'])
         const other = freshKey('monitor-release')
         const held = await storage.begin(other, 'fp', LEASE)
         const heldToken = held.state === 'acquired' ? held.token : ''
@@ -216,9 +216,9 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       const shared = newClient()
       const define = vi.spyOn(shared, 'defineCommand')
       const a = new RedisStorage({ client: shared, prefix: PREFIX + 'shared:' })
-      expect(define).toHaveBeenCalledTimes(4)
+      expect(define).toHaveBeenCalledTimes(3)
       const b = new RedisStorage({ client: shared, prefix: PREFIX + 'shared:' })
-      expect(define).toHaveBeenCalledTimes(4)
+      expect(define).toHaveBeenCalledTimes(3)
       const key = freshKey('shared')
       const lease = await a.begin(key, 'fp', LEASE)
       expect(lease.state).toBe('acquired')
@@ -281,42 +281,50 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
   })
 
   describe('data layout', () => {
-    it('keeps one hash per key, with a lease TTL while in flight and the expiration once completed', async () => {
+    it('keeps one string per key: the lease with its TTL while in flight, the entry with the expiration once completed', async () => {
       const storage = new RedisStorage({ client, prefix: PREFIX + 'layout:' })
       const key = freshKey('layout')
       const redisKey = storage.redisKey(key)
+      const before = Date.now()
       const lease = await storage.begin(key, 'fp-layout', LEASE)
       expect(lease.state).toBe('acquired')
       const token = lease.state === 'acquired' ? lease.token : ''
-      expect(await client.type(redisKey)).toBe('hash')
-      expect(await client.hgetall(redisKey)).toEqual({ state: 'in-flight', fingerprint: 'fp-layout', token })
+      expect(await client.type(redisKey)).toBe('string')
+      const leaseValue = await client.get(redisKey)
+      expect(leaseValue).toMatch(new RegExp(`^L${token}(\\d+)\\|fp-layout$`))
+      const leaseEnd = Number(/^L.{36}(\d+)\|/.exec(leaseValue!)![1])
+      expect(leaseEnd).toBeGreaterThanOrEqual(before + LEASE)
+      expect(leaseEnd).toBeLessThanOrEqual(Date.now() + LEASE)
       const leaseTtl = await client.pttl(redisKey)
       expect(leaseTtl).toBeGreaterThan(LEASE - 2000)
       expect(leaseTtl).toBeLessThanOrEqual(LEASE)
 
       expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
-      const stored = await client.hgetallBuffer(redisKey)
-      expect(Object.keys(stored).sort()).toEqual(['body', 'fingerprint', 'head', 'state'])
-      expect(stored.state!.toString()).toBe('completed')
-      expect(stored.fingerprint!.toString()).toBe('fp-layout')
-      expect(JSON.parse(stored.head!.toString())).toEqual([response.statusCode, response.contentType, response.headers])
-      expect(stored.body!.equals(response.body)).toBe(true)
+      const stored = await client.getBuffer(redisKey)
+      const head = JSON.stringify([response.statusCode, response.contentType, response.headers])
+      const expected = Buffer.concat([Buffer.from(`C9|fp-layout${Buffer.byteLength(head)}|${head}`), response.body])
+      expect(stored!.equals(expected)).toBe(true)
       const entryTtl = await client.pttl(redisKey)
       expect(entryTtl).toBeGreaterThan(EXPIRY - 2000)
       expect(entryTtl).toBeLessThanOrEqual(EXPIRY)
       expect(await client.keys(PREFIX + 'layout:*')).toEqual([redisKey])
     })
 
-    it('reports the lease end from the key\'s PTTL', async () => {
-      const storage = new RedisStorage({ client, prefix: PREFIX + 'pttl:' })
-      const key = freshKey('pttl')
-      expect((await storage.begin(key, 'fp', 10_000)).state).toBe('acquired')
-      await client.pexpire(storage.redisKey(key), 4000)
+    it('reports the lease end the holder wrote, and a renewal moves it', async () => {
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'lease-end:' })
+      const key = freshKey('lease-end')
+      const lease = await storage.begin(key, 'fp', 4000)
+      expect(lease.state).toBe('acquired')
       const held = await storage.begin(key, 'fp', 10_000)
       expect(held.state).toBe('in-flight')
       const remaining = held.state === 'in-flight' ? held.lockExpiresAt - Date.now() : 0
       expect(remaining).toBeGreaterThan(3000)
       expect(remaining).toBeLessThanOrEqual(4000)
+      expect(await storage.renew(key, lease.state === 'acquired' ? lease.token : '', 20_000)).toBe(true)
+      const renewed = await storage.begin(key, 'other', 10_000)
+      expect(renewed.state === 'in-flight' && renewed.fingerprint).toBe('fp')
+      expect(renewed.state === 'in-flight' ? renewed.lockExpiresAt - Date.now() : 0).toBeGreaterThan(19_000)
+      expect(await client.pttl(storage.redisKey(key))).toBeGreaterThan(19_000)
     })
 
     it('makes the whole key, escaped, the hash tag, so braces in a key cannot move it to another slot', async () => {
