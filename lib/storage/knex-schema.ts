@@ -75,9 +75,27 @@ export function expiryIndexName (tableName: string): string {
   return `${splitName(tableName).base}_expires_idx`
 }
 
+/**
+ * The PostgreSQL NOTIFY channel of a table (see `KnexStorage.waitFor`), also used by the tests.
+ * Channel names are identifiers of at most 63 bytes, and a table name may be longer or hold any
+ * character, so the channel is a hash of the name: lower-case hex, safe quoted or not. Every
+ * process must name the table the same way (`'app.keys'` and `'keys'` on a search_path give two
+ * channels).
+ */
+export function notificationChannel (tableName: string): string {
+  return `fastify_idempotency_${createHash('sha256').update(tableName).digest('hex').slice(0, 32)}`
+}
+
+/** `schema.table` quoted the way knex quotes `??`, for a `::regclass` cast. */
+function quotedName (tableName: string): string {
+  return tableName.split('.').map((part) => `"${part.replace(/"/g, '""')}"`).join('.')
+}
+
 // Times are BIGINT epoch milliseconds written by the application (Date.now()), the same rule on
 // every dialect. `expires_at` is when the row stops mattering: the lease end while in flight,
 // the response's expiry once completed, so one indexed column serves both `begin` and the purge.
+// PostgreSQL only: `waiting` is set by a request that waits for the lease (`waitFor`), so that
+// `complete` and `release` send a NOTIFY only when somebody listens for it.
 const POSTGRES_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
   idempotency_key bytea NOT NULL PRIMARY KEY CHECK (octet_length(idempotency_key) <= ${MAX_KEY_BYTES}),
   fingerprint text NOT NULL,
@@ -88,7 +106,8 @@ const POSTGRES_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
   content_type text,
   headers text,
   body bytea,
-  expires_at bigint NOT NULL
+  expires_at bigint NOT NULL,
+  waiting boolean NOT NULL DEFAULT false
 )`
 
 // VARBINARY compares bytewise with no pad-space rule and no collation, so 'A' and 'a', or 'k' and
@@ -144,6 +163,12 @@ export async function createIdempotencyTable (knex: Knex, tableName: string = DE
       await trx.raw('SELECT pg_advisory_xact_lock(?::integer, ?::integer)', [ADVISORY_NAMESPACE, advisoryKey(tableName)])
       await trx.raw(POSTGRES_TABLE, [tableName])
       await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+      // A table created before `waiting` existed gets it. Only when it is missing: ALTER TABLE
+      // takes an ACCESS EXCLUSIVE lock even when IF NOT EXISTS then finds the column, and every
+      // process start would queue all requests behind it. (A constant default costs no rewrite.)
+      const { rows } = await trx.raw("SELECT 1 FROM pg_attribute WHERE attrelid = ?::regclass AND attname = 'waiting' AND NOT attisdropped",
+        [quotedName(tableName)])
+      if (rows.length === 0) await trx.raw('ALTER TABLE ?? ADD COLUMN IF NOT EXISTS waiting boolean NOT NULL DEFAULT false', [tableName])
     })
   } else if (dialect === 'mysql') {
     // One statement with the index inline: MySQL DDL is not transactional, and a separate

@@ -1,4 +1,5 @@
 import { randomUUID } from 'node:crypto'
+import { performance } from 'node:perf_hooks'
 import { setTimeout as sleep } from 'node:timers/promises'
 import type { Knex } from 'knex'
 import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
@@ -6,6 +7,7 @@ import {
   createIdempotencyTable,
   DEFAULT_TABLE_NAME,
   MAX_KEY_BYTES,
+  notificationChannel,
   sqlDialect,
   type SqlDialect
 } from './knex-schema.js'
@@ -71,7 +73,7 @@ const POSTGRES_BEGIN = `WITH live AS (
   ON CONFLICT (idempotency_key) DO UPDATE SET
     fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
     lease_end = excluded.lease_end, expires_at = excluded.expires_at,
-    status_code = NULL, content_type = NULL, headers = NULL, body = NULL
+    status_code = NULL, content_type = NULL, headers = NULL, body = NULL, waiting = false
   WHERE cur.expires_at <= ?::bigint
   RETURNING 1
 )
@@ -109,6 +111,78 @@ ON DUPLICATE KEY UPDATE
 // replay needs no second statement.
 const MARIADB_BEGIN = `${MYSQL_BEGIN}
 RETURNING token, ${COLUMNS}`
+
+// PostgreSQL `complete` and `release`: the fenced change, and a NOTIFY for the waiters only when
+// one of them marked the row (`waiting`, see `waitFor`), in the same statement. NOTIFY is not
+// free: at commit it takes a lock global to the server, so the commits of all notifying
+// transactions take turns; a complete or release nobody waits for skips it. CASE is the construct
+// whose order of evaluation PostgreSQL guarantees, so pg_notify runs only for a marked row.
+// RETURNING gives `waiting` as the newest row version has it: a mark that committed while the
+// statement waited for the row lock is seen.
+const POSTGRES_COMPLETE = `WITH done AS (
+  UPDATE ?? SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?,
+    headers = ?, body = ?, expires_at = ?
+  WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ?
+  RETURNING waiting
+)
+SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
+const POSTGRES_RELEASE = `WITH done AS (
+  DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ?
+  RETURNING waiting
+)
+SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
+// A waiter marks the lease it waits for, and learns in the same step whether it is still held.
+const POSTGRES_MARK_WAITING = `UPDATE ?? SET waiting = true
+WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ?
+RETURNING lease_end`
+
+/** setTimeout's longest delay; a longer one fires at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1
+
+/** One pending `waitFor`. */
+interface Waiter {
+  /** The key as notifications carry it: its UTF-8 bytes in base64. */
+  name: string
+  resolve: () => void
+  reject: (error: unknown) => void
+  timer: NodeJS.Timeout
+  /** When `timer` fires at the latest, on `performance.now()`'s clock. */
+  deadline: number
+  settled: boolean
+}
+
+/** The listening connection: a pg `Client` of knex's driver, outside knex's pool. */
+interface PgConnection {
+  query: (sql: string) => Promise<unknown>
+  on: (event: string, listener: (...args: any[]) => void) => unknown
+  end: () => Promise<void>
+  unref?: () => void
+}
+
+interface Listener {
+  /** Resolves once LISTEN is in effect. */
+  ready: Promise<PgConnection>
+  connection: PgConnection | undefined
+  /** Why the connection is gone (it failed, or the storage closed it). */
+  failure: Error | undefined
+}
+
+/** The part of knex's (untyped) pg client that opens connections outside its pool. */
+interface KnexPgClient {
+  acquireRawConnection?: () => Promise<PgConnection>
+  connectionSettings?: unknown
+  config?: { connectionPool?: unknown }
+}
+
+/**
+ * Whether the storage can open its own listening connection: knex's pg client opens connections
+ * from its configuration. With an external `connectionPool`, knex has no configuration to open
+ * one with, and the plugin polls instead.
+ */
+function canListen (knex: Knex): boolean {
+  const client = knex.client as KnexPgClient | undefined
+  return typeof client?.acquireRawConnection === 'function' && client.config?.connectionPool === undefined
+}
 
 const LONE_SURROGATE = /\p{Surrogate}/u
 
@@ -220,6 +294,25 @@ export class KnexStorage implements IdempotencyStorage {
   #prepared = false
   /** MariaDB 10.5+: `begin` returns the row in the upsert itself. */
   #returning = false
+  /** PostgreSQL: the table's NOTIFY channel, and the waiting side (see `waitFor`). */
+  readonly #channel: string = ''
+  #listener: Listener | undefined
+  /** Every pending `waitFor`; and by key, those listening for a notification. */
+  readonly #pending = new Set<Waiter>()
+  readonly #waiters = new Map<string, Set<Waiter>>()
+
+  /**
+   * PostgreSQL only (the property is absent on MySQL/MariaDB and SQLite, where the plugin polls
+   * `begin` instead): resolve once the lease on `key` was completed or released (woken by
+   * LISTEN/NOTIFY, from any process), or lapsed, or after `timeout` ms. Rejects when the listening
+   * connection fails (the plugin then polls); the next call opens a new one.
+   *
+   * One connection per storage, outside knex's pool, opened on the first call and shared by all
+   * waiters; `close()` ends it. A waiter listens first, then marks the row (`waiting`), which both
+   * asks `complete`/`release` to notify and tells whether the lease is still held: an end that
+   * comes after the call cannot be missed.
+   */
+  declare readonly waitFor?: (key: string, timeout: number) => Promise<void>
 
   constructor (options: KnexStorageOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('KnexStorage: options { knex } are required')
@@ -231,6 +324,10 @@ export class KnexStorage implements IdempotencyStorage {
     this.#table = tableName
     this.#createTable = options.createTable === true
     this.#now = options.now ?? Date.now
+    if (this.#dialect === 'postgres' && canListen(options.knex)) {
+      this.#channel = notificationChannel(tableName)
+      this.waitFor = (key, timeout) => this.#waitFor(key, timeout)
+    }
   }
 
   /** The table this storage uses. */
@@ -261,6 +358,14 @@ export class KnexStorage implements IdempotencyStorage {
     const body = toBuffer(response.body)
     const headers = JSON.stringify(response.headers ?? {})
     if (!this.#prepared) await this.#prepare()
+    if (this.#dialect === 'postgres') {
+      const changed = await this.#retrying(() => {
+        const now = this.#now()
+        return this.#notifying(POSTGRES_COMPLETE, id, [this.#table, response.statusCode, response.contentType ?? null,
+          headers, body, now + ttl, id, token, now])
+      })
+      return changed === 1
+    }
     const changed = await this.#retrying(() => {
       const now = this.#now()
       return this.#knex(this.#table)
@@ -283,6 +388,10 @@ export class KnexStorage implements IdempotencyStorage {
   async release (key: string, token: string): Promise<boolean> {
     const id = encodeKey(key)
     if (!this.#prepared) await this.#prepare()
+    if (this.#dialect === 'postgres') {
+      const changed = await this.#retrying(() => this.#notifying(POSTGRES_RELEASE, id, [this.#table, id, token, this.#now()]))
+      return changed === 1
+    }
     const deleted = await this.#retrying(() => this.#knex(this.#table)
       .where({ idempotency_key: id, token, state: 'in_flight' })
       .andWhere('lease_end', '>', this.#now())
@@ -324,8 +433,144 @@ export class KnexStorage implements IdempotencyStorage {
     }
   }
 
-  /** Nothing to free: the knex instance belongs to the caller, who destroys it. */
-  async close (): Promise<void> {}
+  /**
+   * End the listening connection, if `waitFor` opened one; pending waits resolve (their callers
+   * ask `begin` again). The knex instance belongs to the caller, who destroys it. The storage
+   * stays usable: a later `waitFor` opens a new connection.
+   */
+  async close (): Promise<void> {
+    const listener = this.#listener
+    this.#listener = undefined
+    for (const waiter of [...this.#pending]) this.#settle(waiter)
+    if (listener === undefined) return
+    listener.failure ??= new Error('KnexStorage: closed')
+    try {
+      await (await listener.ready).end()
+    } catch {
+      // It failed to open, or is gone already: nothing left to end.
+    }
+  }
+
+  /** A PostgreSQL `complete` or `release`: how many rows it changed. */
+  async #notifying (sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
+    const { rows } = await this.#knex.raw(sql, [...bindings, this.#channel, id.toString('base64')])
+    return Number((rows[0] as { changed: unknown }).changed)
+  }
+
+  async #waitFor (key: string, timeout: number): Promise<void> {
+    const id = encodeKey(key)
+    if (typeof timeout !== 'number' || !(timeout > 0)) return
+    const wait = Math.min(timeout, MAX_TIMER_MS)
+    await new Promise<void>((resolve, reject) => {
+      // The timer runs from the call: a slow connect or mark counts against the timeout.
+      const waiter: Waiter = {
+        name: id.toString('base64'),
+        resolve,
+        reject,
+        timer: setTimeout(() => this.#settle(waiter), wait),
+        deadline: performance.now() + wait,
+        settled: false
+      }
+      this.#pending.add(waiter)
+      void this.#subscribe(id, waiter)
+    })
+  }
+
+  /** Listen, then mark the row; settles the waiter at once when the lease is not held any more. */
+  async #subscribe (id: Buffer, waiter: Waiter): Promise<void> {
+    try {
+      if (!this.#prepared) await this.#prepare()
+      const listener = this.#listening()
+      await listener.ready
+      if (waiter.settled) return
+      if (listener.failure !== undefined) throw listener.failure
+      // Subscribed before the mark: the notification may overtake the mark's answer.
+      let waiters = this.#waiters.get(waiter.name)
+      if (waiters === undefined) this.#waiters.set(waiter.name, (waiters = new Set()))
+      waiters.add(waiter)
+      const leaseEnd = await this.#retrying(async () => {
+        const { rows } = await this.#knex.raw(POSTGRES_MARK_WAITING, [this.#table, id, this.#now()])
+        return rows.length === 0 ? undefined : millis((rows[0] as { lease_end: unknown }).lease_end)
+      })
+      if (leaseEnd === undefined) {
+        this.#settle(waiter)
+        return
+      }
+      // A lease that lapses ends without a notification: wake up then, if that is before the timeout.
+      const left = leaseEnd - this.#now()
+      if (!waiter.settled && left < waiter.deadline - performance.now()) {
+        clearTimeout(waiter.timer)
+        waiter.timer = setTimeout(() => this.#settle(waiter), Math.max(0, left))
+      }
+    } catch (error) {
+      this.#settle(waiter, trimmed(error))
+    }
+  }
+
+  /** The listening connection, opened on first use and again after a failure or close. */
+  #listening (): Listener {
+    if (this.#listener !== undefined) return this.#listener
+    const listener: Listener = { ready: undefined as unknown as Promise<PgConnection>, connection: undefined, failure: undefined }
+    listener.ready = this.#openListener(listener)
+    listener.ready.catch((error: unknown) => this.#drop(listener, error))
+    this.#listener = listener
+    return listener
+  }
+
+  async #openListener (listener: Listener): Promise<PgConnection> {
+    const client = this.#knex.client as Required<KnexPgClient>
+    // A connection given as a function is resolved by the pool when it first connects.
+    if (client.connectionSettings === undefined) await this.#knex.raw('SELECT 1')
+    // knex's own pg driver and settings (host, TLS, searchPath...), outside the pool, so that it
+    // never holds a pool slot. knex listens to its 'error' event too; neither lets one crash.
+    const connection = await client.acquireRawConnection()
+    listener.connection = connection
+    connection.on('error', (error: unknown) => this.#drop(listener, error))
+    connection.on('end', () => this.#drop(listener, new Error('the connection ended')))
+    connection.on('notification', (message: { channel: string, payload?: string }) => this.#notified(message))
+    // It must not keep the process alive on its own: a pending wait holds its timer.
+    connection.unref?.()
+    if (listener.failure !== undefined) {
+      // Closed while connecting: end it before close() returns.
+      await connection.end().catch(() => {})
+      throw listener.failure
+    }
+    await connection.query(`LISTEN "${this.#channel}"`)
+    return connection
+  }
+
+  /** The listening connection failed or ended: its waits reject (the plugin polls), the next call opens anew. */
+  #drop (listener: Listener, error: unknown): void {
+    if (listener.failure === undefined) {
+      const reason = error instanceof Error ? error.message : String(error)
+      listener.failure = new Error(`KnexStorage: the listening connection failed: ${reason}`, { cause: error })
+      if (this.#listener === listener) this.#listener = undefined
+      // Every subscribed waiter is on this connection: the next one opens only once this one is
+      // dropped (or closed, which settles every waiter), and its waiters subscribe after that.
+      for (const waiters of [...this.#waiters.values()]) for (const waiter of [...waiters]) this.#settle(waiter, listener.failure)
+    }
+    listener.connection?.end().catch(() => {})
+  }
+
+  #notified (message: { channel: string, payload?: string }): void {
+    if (message.channel !== this.#channel || message.payload === undefined) return
+    const waiters = this.#waiters.get(message.payload)
+    if (waiters !== undefined) for (const waiter of [...waiters]) this.#settle(waiter)
+  }
+
+  #settle (waiter: Waiter, error?: unknown): void {
+    if (waiter.settled) return
+    waiter.settled = true
+    clearTimeout(waiter.timer)
+    this.#pending.delete(waiter)
+    const waiters = this.#waiters.get(waiter.name)
+    if (waiters !== undefined) {
+      waiters.delete(waiter)
+      if (waiters.size === 0) this.#waiters.delete(waiter.name)
+    }
+    if (error === undefined) waiter.resolve()
+    else waiter.reject(error)
+  }
 
   #prepare (): Promise<void> {
     this.#ready ??= this.#init().then(() => { this.#prepared = true }, (error: unknown) => {
