@@ -19,10 +19,14 @@ declare module 'fastify' {
   }
 }
 
-/** A route's hook option (absent, one function or an array) with ours added last. */
-function appendHook<T> (existing: T | T[] | undefined, hook: T): T[] {
-  if (existing === undefined) return [hook]
-  return Array.isArray(existing) ? [...existing, hook] : [existing, hook]
+/** The hooks a registration of the plugin put on a route, so a later registration can replace them. */
+const kRouteHooks = Symbol('fastify-idempotency.routeHooks')
+type GuardedRoute = RouteOptions & { [kRouteHooks]?: unknown[] }
+
+/** A route's hook option (absent, one function or an array) with ours added last and `replaced` taken out. */
+function appendHook<T> (existing: T | T[] | undefined, hook: T, replaced: unknown[] = []): T[] {
+  const hooks = existing === undefined ? [] : Array.isArray(existing) ? existing : [existing]
+  return [...hooks.filter((item) => !replaced.includes(item)), hook]
 }
 
 const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) => {
@@ -43,12 +47,17 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     const hooks = createRouteHooks(settings, headerLabel)
     // Only when @fastify/swagger is there to read it: a header schema also means validation work.
     if (this.hasDecorator('swagger')) documentRoute(routeOptions, settings, headerLabel)
+    // Registered again in a child context, the innermost registration (whose onRoute runs last)
+    // replaces the outer one's hooks: a route must never go through the plugin twice.
+    const route = routeOptions as GuardedRoute
+    const replaced = route[kRouteHooks] ?? []
+    route[kRouteHooks] = [hooks.onRequest, hooks.preHandler, hooks.onSend, hooks.onError]
     // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
     // and a replay is never served to a request they would have refused.
-    routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest) as RouteOptions['onRequest']
-    routeOptions.preHandler = appendHook(routeOptions.preHandler, hooks.preHandler) as RouteOptions['preHandler']
-    routeOptions.onSend = appendHook(routeOptions.onSend, hooks.onSend) as RouteOptions['onSend']
-    routeOptions.onError = appendHook(routeOptions.onError, hooks.onError) as RouteOptions['onError']
+    routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest, replaced) as RouteOptions['onRequest']
+    routeOptions.preHandler = appendHook(routeOptions.preHandler, hooks.preHandler, replaced) as RouteOptions['preHandler']
+    routeOptions.onSend = appendHook(routeOptions.onSend, hooks.onSend, replaced) as RouteOptions['onSend']
+    routeOptions.onError = appendHook(routeOptions.onError, hooks.onError, replaced) as RouteOptions['onError']
   })
 
   // Close only a store the plugin created itself.

@@ -356,6 +356,26 @@ for (const store of cases) {
       expect(t.runs.get('/orders')).toBeUndefined()
     })
 
+    it('runs a route through the innermost registration only, when registered at the root and again in a child', async () => {
+      const instance = Fastify()
+      instance.setErrorHandler(idempotencyErrorHandler())
+      await instance.register(idempotency, { storage, replayHeader: 'X-Outer' })
+      let runs = 0
+      await instance.register(async (child) => {
+        await child.register(idempotency, { storage, replayHeader: 'X-Inner' })
+        child.post('/orders', { config: { idempotency: true } }, async () => ({ run: ++runs }))
+      }, { prefix: '/child' })
+      const key = newKey()
+      const send = () => instance.inject({ method: 'POST', url: '/child/orders', headers: { 'idempotency-key': key }, payload: {} })
+      expect((await send()).statusCode).toBe(200)
+      const replay = await send()
+      expect(replay.statusCode).toBe(200)
+      expect(replay.headers['x-inner']).toBe('true')
+      expect(replay.headers['x-outer']).toBeUndefined()
+      expect(runs).toBe(1)
+      await instance.close()
+    })
+
     it('works when registered in two encapsulated contexts', async () => {
       const instance = Fastify()
       instance.setErrorHandler(idempotencyErrorHandler())

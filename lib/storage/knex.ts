@@ -2,7 +2,8 @@ import { randomUUID } from 'node:crypto'
 import { performance } from 'node:perf_hooks'
 import { setTimeout as sleep } from 'node:timers/promises'
 import type { Knex } from 'knex'
-import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+import type { FastifyRequest } from 'fastify'
+import type { BeginResult, StorageTransaction, StoredResponse, TransactionalStorage } from './types.js'
 import {
   createIdempotencyTable,
   DEFAULT_TABLE_NAME,
@@ -284,7 +285,19 @@ function hasInsertReturning (version: string): boolean {
  * `complete`, `release` and `renew` are single statements conditioned on the fencing token.
  * All times are epoch milliseconds from the application's clock.
  */
-export class KnexStorage implements IdempotencyStorage {
+/**
+ * The knex transaction of a request on a route in transaction mode (`transaction: true`), typed.
+ * Throws when the request has none (the route is not in transaction mode, or has no key).
+ */
+export function transactionOf (request: FastifyRequest): Knex.Transaction {
+  const transaction = (request as FastifyRequest & { idempotency?: { transaction?: unknown } | null }).idempotency?.transaction
+  if (transaction === undefined || transaction === null) {
+    throw new Error('fastify-idempotency: this request has no transaction (is the route in transaction mode, with KnexStorage, and did the request carry an Idempotency-Key?)')
+  }
+  return transaction as Knex.Transaction
+}
+
+export class KnexStorage implements TransactionalStorage {
   readonly #knex: Knex
   readonly #table: string
   readonly #dialect: SqlDialect
@@ -353,22 +366,47 @@ export class KnexStorage implements IdempotencyStorage {
   }
 
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
+    return this.#complete(this.#knex, key, token, response, expiration)
+  }
+
+  /**
+   * Transaction mode: a knex transaction for the handler's writes, in which `complete` writes the
+   * stored response with the same fenced statement as above, so both commit or neither does.
+   */
+  async transaction (): Promise<StorageTransaction> {
+    if (!this.#prepared) await this.#prepare()
+    const trx = await this.#knex.transaction()
+    // A failed COMMIT rejects the transaction's own promise as well as commit()'s; the caller
+    // handles the latter, so the former must not surface as an unhandled rejection.
+    trx.executionPromise.catch(() => {})
+    return {
+      handle: trx,
+      complete: (key, token, response, expiration) => this.#complete(trx, key, token, response, expiration),
+      commit: async () => { await trx.commit() },
+      rollback: async () => { if (!trx.isCompleted()) await trx.rollback() }
+    }
+  }
+
+  async #complete (db: Knex | Knex.Transaction, key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const id = encodeKey(key)
     const ttl = duration(expiration, 'expiration')
     const body = toBuffer(response.body)
     const headers = JSON.stringify(response.headers ?? {})
     if (!this.#prepared) await this.#prepare()
+    // Inside a transaction a deadlock aborts the whole transaction: retrying one statement of it
+    // would be wrong, so only the stand-alone statement is retried.
+    const run = <T>(statement: () => PromiseLike<T>): Promise<T> => db === this.#knex ? this.#retrying(statement) : Promise.resolve(statement())
     if (this.#dialect === 'postgres') {
-      const changed = await this.#retrying(() => {
+      const changed = await run(() => {
         const now = this.#now()
-        return this.#notifying(POSTGRES_COMPLETE, id, [this.#table, response.statusCode, response.contentType ?? null,
+        return this.#notifying(db, POSTGRES_COMPLETE, id, [this.#table, response.statusCode, response.contentType ?? null,
           headers, body, now + ttl, id, token, now])
       })
       return changed === 1
     }
-    const changed = await this.#retrying(() => {
+    const changed = await run(() => {
       const now = this.#now()
-      return this.#knex(this.#table)
+      return db(this.#table)
         .where({ idempotency_key: id, token, state: 'in_flight' })
         .andWhere('lease_end', '>', now)
         .update({
@@ -389,7 +427,7 @@ export class KnexStorage implements IdempotencyStorage {
     const id = encodeKey(key)
     if (!this.#prepared) await this.#prepare()
     if (this.#dialect === 'postgres') {
-      const changed = await this.#retrying(() => this.#notifying(POSTGRES_RELEASE, id, [this.#table, id, token, this.#now()]))
+      const changed = await this.#retrying(() => this.#notifying(this.#knex, POSTGRES_RELEASE, id, [this.#table, id, token, this.#now()]))
       return changed === 1
     }
     const deleted = await this.#retrying(() => this.#knex(this.#table)
@@ -452,8 +490,8 @@ export class KnexStorage implements IdempotencyStorage {
   }
 
   /** A PostgreSQL `complete` or `release`: how many rows it changed. */
-  async #notifying (sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
-    const { rows } = await this.#knex.raw(sql, [...bindings, this.#channel, id.toString('base64')])
+  async #notifying (db: Knex | Knex.Transaction, sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
+    const { rows } = await db.raw(sql, [...bindings, this.#channel, id.toString('base64')])
     return Number((rows[0] as { changed: unknown }).changed)
   }
 
