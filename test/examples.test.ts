@@ -77,6 +77,14 @@ describe.concurrent('examples', () => {
     )
   }, LIMIT_MS + 5000)
 
+  it('orders-transaction.ts --self-test: orders and ledger rows committed exactly once', async () => {
+    const result = await selfTest('orders-transaction.ts')
+    const report = `exit ${result.code ?? result.signal}\n${result.output}`
+    expect(result.code, report).toBe(0)
+    expect(result.output.split('\n').filter((line) => line.startsWith('  ok  '))).toHaveLength(4)
+    expect(result.output).toContain('self-test passed: 4 requests, every write committed exactly once')
+  }, LIMIT_MS + 5000)
+
   it('orders-redis.ts says so and exits 1 when Redis does not answer', async () => {
     // Port 1 on the loopback: nothing listens there, so the connection is refused at once.
     const result = await selfTest('orders-redis.ts', { REDIS_HOST: '127.0.0.1', REDIS_PORT: '1' })
