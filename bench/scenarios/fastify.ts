@@ -1,0 +1,151 @@
+/**
+ * The Fastify scenarios: the bare route, the plugin (unflagged route, memory, Redis, PostgreSQL,
+ * SQLite) and the Redis floor. Every one serves the same `POST /orders` with the same handler.
+ */
+import { rm } from 'node:fs/promises'
+import { join } from 'node:path'
+import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
+import { Redis } from 'ioredis'
+import knexFactory, { type Knex } from 'knex'
+import { benchEnv, ExecutionCounter, KEY_HEADER, placeOrder, ROUTE, type BenchServer, type OrderBody } from './common.js'
+import { loadCore, loadKnexStorage, loadRedisStorage } from './source.js'
+
+function newApp (): FastifyInstance {
+  return Fastify({ logger: false })
+}
+
+function orderHandler (counter: ExecutionCounter) {
+  return async function handler (request: FastifyRequest, reply: FastifyReply) {
+    const result = await placeOrder(counter, request.headers[KEY_HEADER], request.body as OrderBody)
+    reply.code(201)
+    return result
+  }
+}
+
+async function listen (app: FastifyInstance, counter: ExecutionCounter, cleanup: () => Promise<void> = async () => {}): Promise<BenchServer> {
+  await app.listen({ host: '127.0.0.1', port: 0 })
+  const address = app.server.address()
+  if (address === null || typeof address === 'string') throw new Error('no TCP address')
+  return {
+    port: address.port,
+    counter,
+    close: async () => {
+      await app.close()
+      await cleanup()
+    }
+  }
+}
+
+function redisClient (): Redis {
+  const env = benchEnv()
+  return new Redis({ host: env.redisHost, port: env.redisPort, enableAutoPipelining: true })
+}
+
+/** The route without the plugin: the baseline of every in-process and SQL scenario. */
+export async function bare (): Promise<BenchServer> {
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  app.post(ROUTE, orderHandler(counter))
+  return await listen(app, counter)
+}
+
+/** The plugin registered, a guarded route elsewhere, and the measured route without the flag. */
+export async function unflagged (): Promise<BenchServer> {
+  const { idempotency, idempotencyErrorHandler, MemoryStorage } = await loadCore()
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  await app.register(idempotency, { storage: new MemoryStorage() })
+  app.setErrorHandler(idempotencyErrorHandler())
+  app.post('/guarded', { config: { idempotency: true } }, orderHandler(new ExecutionCounter()))
+  app.post(ROUTE, orderHandler(counter))
+  return await listen(app, counter)
+}
+
+/** The plugin on its embedded default store, with the default bound. */
+export async function memory (): Promise<BenchServer> {
+  const { idempotency, idempotencyErrorHandler, MemoryStorage } = await loadCore()
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  await app.register(idempotency, { storage: new MemoryStorage() })
+  app.setErrorHandler(idempotencyErrorHandler())
+  app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
+  return await listen(app, counter)
+}
+
+/** The plugin on Redis, with the recommended client setup (ioredis, enableAutoPipelining). */
+export async function redis (): Promise<BenchServer> {
+  const { idempotency, idempotencyErrorHandler } = await loadCore()
+  const { RedisStorage } = await loadRedisStorage()
+  const client = redisClient()
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  await app.register(idempotency, { storage: new RedisStorage({ client, prefix: `bench:${benchEnv().tag}:idem:` }) })
+  app.setErrorHandler(idempotencyErrorHandler())
+  app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
+  return await listen(app, counter, async () => { await client.quit() })
+}
+
+async function knexScenario (knex: Knex, cleanup: () => Promise<void>): Promise<BenchServer> {
+  const { idempotency, idempotencyErrorHandler } = await loadCore()
+  const { KnexStorage, dropIdempotencyTable } = await loadKnexStorage()
+  const tableName = `bench_idem_${benchEnv().tag}`.replace(/[^a-zA-Z0-9_]/g, '_')
+  const storage = new KnexStorage({ knex, tableName, createTable: true })
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  await app.register(idempotency, { storage })
+  app.setErrorHandler(idempotencyErrorHandler())
+  app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
+  return await listen(app, counter, async () => {
+    await dropIdempotencyTable(knex, tableName)
+    await knex.destroy()
+    await cleanup()
+  })
+}
+
+/** The plugin on PostgreSQL through knex and pg (knex's default pool: 2 to 10 connections). */
+export async function knexPostgres (): Promise<BenchServer> {
+  const { pg } = benchEnv()
+  const knex = knexFactory({ client: 'pg', connection: pg })
+  return await knexScenario(knex, async () => {})
+}
+
+/** The plugin on SQLite (better-sqlite3), a file in a private temporary directory. */
+export async function knexSqlite (): Promise<BenchServer> {
+  const filename = join(benchEnv().tmpDir, `bench-${benchEnv().tag}-${process.pid}.sqlite`)
+  const knex = knexFactory({ client: 'better-sqlite3', connection: { filename }, useNullAsDefault: true })
+  return await knexScenario(knex, async () => {
+    for (const suffix of ['', '-wal', '-shm', '-journal']) await rm(filename + suffix, { force: true })
+  })
+}
+
+/**
+ * The physical floor on Redis: what any Redis-backed idempotency layer must at least spend, with
+ * none of the work of deciding. A key starting with `r-` (REPLAY, and the replays of MIXED) costs
+ * one GET; any other key (NEW) costs two round trips, SET NX PX before the handler and SET PX
+ * after it. The client is ioredis with `enableAutoPipelining: true`.
+ */
+export async function redisFloor (): Promise<BenchServer> {
+  const client = redisClient()
+  const prefix = `bench:${benchEnv().tag}:floor:`
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  app.post(ROUTE, async (request, reply) => {
+    const key = request.headers[KEY_HEADER]
+    if (typeof key !== 'string') throw new Error('the floor needs a key')
+    const redisKey = prefix + key
+    if (key.startsWith('r-')) {
+      const stored = await client.getBuffer(redisKey)
+      if (stored !== null) {
+        reply.code(201).type('application/json; charset=utf-8')
+        return stored
+      }
+    } else {
+      await client.set(redisKey, 'in-flight', 'PX', 60_000, 'NX')
+    }
+    const payload = JSON.stringify(await placeOrder(counter, key, request.body as OrderBody))
+    await client.set(redisKey, payload, 'PX', 86_400_000)
+    reply.code(201).type('application/json; charset=utf-8')
+    return payload
+  })
+  return await listen(app, counter, async () => { await client.quit() })
+}
