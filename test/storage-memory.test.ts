@@ -72,6 +72,17 @@ describe('MemoryStorage bounds', () => {
     expect(storage.size).toBe(10)
   })
 
+  it('keeps an exact-size copy of each body, not a slice of a shared buffer pool', async () => {
+    const storage = new MemoryStorage()
+    const pooled = Buffer.from('{"id":1}')
+    expect(pooled.buffer.byteLength).toBeGreaterThan(pooled.length)
+    const begun = await storage.begin('k', 'fp', 60_000)
+    if (begun.state !== 'acquired') throw new Error('expected a lease')
+    await storage.complete('k', begun.token, { ...response(0), body: pooled }, 60_000)
+    const stored = await storage.begin('k', 'fp', 60_000)
+    expect(stored.state === 'completed' && stored.response.body.buffer.byteLength).toBe(pooled.length)
+  })
+
   it('refuses nonsensical bounds', () => {
     expect(() => new MemoryStorage({ maxEntries: 0 })).toThrow(/maxEntries/)
     expect(() => new MemoryStorage({ maxBytes: 1.5 })).toThrow(/maxBytes/)

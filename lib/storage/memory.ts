@@ -108,7 +108,11 @@ export class MemoryStorage implements IdempotencyStorage {
     const lease = this.#heldLease(key, token)
     if (lease === undefined) return false
     this.#leases.delete(key)
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response, expiresAt: this.#now() + expiration })
+    // An exact-size copy of the body: a small Buffer is usually a slice of Node's shared 8 KiB pool,
+    // and keeping the slice would keep the whole slab alive, unseen by `maxBytes`.
+    const body = Buffer.allocUnsafeSlow(response.body.length)
+    response.body.copy(body)
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: this.#now() + expiration })
     this.#notify(key)
     this.#dropOldestExpired()
     if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
