@@ -22,7 +22,8 @@ function orderHandler (counter: ExecutionCounter) {
   }
 }
 
-async function listen (app: FastifyInstance, counter: ExecutionCounter, cleanup: () => Promise<void> = async () => {}): Promise<BenchServer> {
+/** Listen on a free loopback port; shared with the peers' Fastify scenarios. */
+export async function listen (app: FastifyInstance, counter: ExecutionCounter, cleanup: () => Promise<void> = async () => {}): Promise<BenchServer> {
   await app.listen({ host: '127.0.0.1', port: 0 })
   const address = app.server.address()
   if (address === null || typeof address === 'string') throw new Error('no TCP address')

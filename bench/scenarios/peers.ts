@@ -19,6 +19,7 @@ import { RedisStorageAdapter } from '@node-idempotency/storage-adapter-redis'
 import express, { type NextFunction, type Request, type Response } from 'express'
 import { getSharedIdempotencyService, idempotency as expressIdempotency } from 'express-idempotency'
 import { benchEnv, ExecutionCounter, KEY_HEADER, placeOrder, ROUTE, type BenchServer, type OrderBody } from './common.js'
+import { listen } from './fastify.js'
 
 // ---------------------------------------------------------------- @node-idempotency/core + Fastify
 
@@ -86,16 +87,7 @@ async function nodeIdempotencyServer (storage: StorageAdapter, cleanup: () => Pr
     reply.code(201)
     return result
   })
-  await app.listen({ host: '127.0.0.1', port: 0 })
-  const address = app.server.address() as AddressInfo
-  return {
-    port: address.port,
-    counter,
-    close: async () => {
-      await app.close()
-      await cleanup()
-    }
-  }
+  return await listen(app, counter, cleanup)
 }
 
 /** @node-idempotency/core on its in-memory adapter (a Map). */
