@@ -86,14 +86,14 @@ export async function redis (): Promise<BenchServer> {
   return await listen(app, counter, async () => { await client.quit() })
 }
 
-async function knexScenario (knex: Knex, cleanup: () => Promise<void>): Promise<BenchServer> {
+async function knexScenario (knex: Knex, cleanup: () => Promise<void>, transaction = false): Promise<BenchServer> {
   const { idempotency, idempotencyErrorHandler } = await loadCore()
   const { KnexStorage, dropIdempotencyTable } = await loadKnexStorage()
   const tableName = `bench_idem_${benchEnv().tag}`.replace(/[^a-zA-Z0-9_]/g, '_')
   const storage = new KnexStorage({ knex, tableName, createTable: true })
   const app = newApp()
   const counter = new ExecutionCounter()
-  await app.register(idempotency, { storage })
+  await app.register(idempotency, { storage, transaction })
   app.setErrorHandler(idempotencyErrorHandler())
   app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
   return await listen(app, counter, async () => {
@@ -108,6 +108,16 @@ export async function knexPostgres (): Promise<BenchServer> {
   const { pg } = benchEnv()
   const knex = knexFactory({ client: 'pg', connection: pg })
   return await knexScenario(knex, async () => {})
+}
+
+/**
+ * The same in transaction mode: what the transaction itself costs (BEGIN, the stored response
+ * written inside it, COMMIT, a connection held across the handler); the handler is the same.
+ */
+export async function knexPostgresTransaction (): Promise<BenchServer> {
+  const { pg } = benchEnv()
+  const knex = knexFactory({ client: 'pg', connection: pg })
+  return await knexScenario(knex, async () => {}, true)
 }
 
 /** The plugin on SQLite (better-sqlite3), a file in a private temporary directory. */

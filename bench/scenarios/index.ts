@@ -103,6 +103,18 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     start: async () => await (await import('./fastify.js')).knexPostgres()
   },
   {
+    name: 'knex-pg-trx',
+    short: 'KnexStorage on PostgreSQL, transaction mode',
+    guarded: true,
+    label: 'fastify-idempotency, KnexStorage PostgreSQL, transaction mode',
+    kind: 'ours',
+    store: 'postgres',
+    framework: 'fastify',
+    workloads: ALL,
+    baseline: 'bare',
+    start: async () => await (await import('./fastify.js')).knexPostgresTransaction()
+  },
+  {
     name: 'knex-sqlite',
     short: 'KnexStorage on SQLite',
     guarded: true,
