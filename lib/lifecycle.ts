@@ -113,8 +113,7 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
   }
 
   async function scopedKey (request: FastifyRequest, key: string): Promise<string> {
-    if (settings.scope === null) return key
-    const scope = await settings.scope(request)
+    const scope = await settings.scope!(request)
     if (typeof scope !== 'string') throw new TypeError('fastify-idempotency: scope(request) must return a string')
     // Keys never contain a line feed (they are printable ASCII), so the last one separates the two.
     return `${scope}\n${key}`
@@ -130,7 +129,8 @@ export function createRouteHooks (settings: RouteSettings, headerLabel: string):
       // Canonicalizing recurses: JSON nested deep enough overflows the stack. A 400, not a 500.
       throw new IdempotencyFingerprintError(state.key, error)
     }
-    const storageKey = await scopedKey(request, state.key)
+    // Without a scope there is nothing to await: no promise on the path of every request.
+    const storageKey = settings.scope === null ? state.key : await scopedKey(request, state.key)
     const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
     state.started = performance.now()
     for (let attempt = 0; ; attempt++) {
