@@ -49,7 +49,15 @@ const targets: Target[] = [
       // The client options docs/stores/redis.md recommends to fail fast.
       const client = new Redis({ host: '127.0.0.1', port, enableAutoPipelining: true, maxRetriesPerRequest: 1, commandTimeout: 2000 })
       client.on('error', () => {})
-      return { storage: new RedisStorage({ client, prefix: `outage:${stamp}:` }), dispose: async () => { client.disconnect() } }
+      const prefix = `outage:${stamp}:`
+      return {
+        storage: new RedisStorage({ client, prefix }),
+        dispose: async () => {
+          const keys = await client.keys(`${prefix}*`)
+          if (keys.length > 0) await client.del(...keys)
+          client.disconnect()
+        }
+      }
     }
   },
   { name: 'postgres', availability: await service(POSTGRES), server: POSTGRES, connect: sql('postgres', 'pg', pgConnection) },

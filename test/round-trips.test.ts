@@ -29,13 +29,18 @@ async function rounds (app: Awaited<ReturnType<typeof buildApp>>['app'], count: 
 
 describe.skipIf(!redis.available)(`round trips on Redis${redis.reason}`, () => {
   const client = new Redis({ host: REDIS.host, port: REDIS.port, enableAutoPipelining: true })
-  afterAll(async () => { await client.quit() })
+  const prefix = `rt:${process.pid}:${Date.now()}:`
+  afterAll(async () => {
+    const keys = await client.keys(`${prefix}*`)
+    if (keys.length > 0) await client.del(...keys)
+    await client.quit()
+  })
 
   it('costs two commands for a first request and one for a replay', async () => {
     let commands = 0
     const send = client.sendCommand.bind(client)
     client.sendCommand = ((command: Parameters<typeof send>[0], stream?: Parameters<typeof send>[1]) => { commands++; return send(command, stream) }) as typeof client.sendCommand
-    const { app } = await buildApp({ storage: new RedisStorage({ client, prefix: `rt:${process.pid}:${Date.now()}:` }) })
+    const { app } = await buildApp({ storage: new RedisStorage({ client, prefix }) })
     expect(await rounds(app, () => commands)).toEqual({ first: 2, replay: 1 })
     await app.close()
   })
