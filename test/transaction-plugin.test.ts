@@ -5,6 +5,7 @@
 import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type StorageTransaction, type StoredResponse, type TransactionalStorage } from '../lib/index.js'
+import { transactionOf } from '../lib/storage/knex.js'
 import { newKey } from './helpers/app.js'
 
 type Failure = 'none' | 'commit' | 'lease'
@@ -113,6 +114,16 @@ describe('transaction mode (plugin side)', () => {
     const res = await app.inject({ method: 'POST', url: '/o', headers: { 'idempotency-key': 'k-1' }, payload: {} })
     expect(res.json()).toEqual({ context: { key: 'k-1' } })
     expect((await app.inject({ method: 'POST', url: '/plain', payload: {} })).json()).toEqual({ context: null })
+  })
+
+  it('transactionOf(request) names the problem when the route is not in transaction mode', async () => {
+    const app = Fastify()
+    await app.register(idempotency)
+    app.setErrorHandler(idempotencyErrorHandler({ fallback (error, _request, reply) { reply.code(500).send({ message: error.message }) } }))
+    app.post('/o', { config: { idempotency: true } }, async (request) => ({ trx: transactionOf(request) !== undefined }))
+    const res = await app.inject({ method: 'POST', url: '/o', headers: { 'idempotency-key': 'k-2' }, payload: {} })
+    expect(res.statusCode).toBe(500)
+    expect(res.json().message).toMatch(/this request has no transaction \(is the route in transaction mode/)
   })
 
   it('refuses transaction mode on a storage without transactions, at start-up', async () => {

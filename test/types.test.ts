@@ -13,10 +13,13 @@ import idempotency, {
   MemoryStorage,
   type BeginResult,
   type FingerprintOptions,
+  type IdempotencyRequestContext,
   type IdempotencyOptions,
   type IdempotencyStorage,
   type StoredResponse
 } from '../lib/index.js'
+import { transactionOf } from '../lib/storage/knex.js'
+import type { Knex } from 'knex'
 
 describe('public types', () => {
   it('exports the plugin as default and as `idempotency`', () => {
@@ -70,6 +73,15 @@ describe('public types', () => {
     if (isIdempotencyError(unknownError)) expectTypeOf(unknownError).toEqualTypeOf<IdempotencyError>()
     expectTypeOf(idempotencyErrorHandler).parameter(0).toEqualTypeOf<{ fallback?: Parameters<typeof idempotencyErrorHandler>[0] extends infer O ? O extends { fallback?: infer F } ? F : never : never } | undefined>()
     Fastify().setErrorHandler(idempotencyErrorHandler())
+  })
+
+  it('types request.idempotency and transactionOf', () => {
+    const app = Fastify()
+    app.post('/o', { config: { idempotency: { transaction: true } } }, async (request) => {
+      expectTypeOf(request.idempotency).toEqualTypeOf<IdempotencyRequestContext | null>()
+      expectTypeOf(transactionOf(request)).toEqualTypeOf<Knex.Transaction>()
+      return { key: request.idempotency?.key }
+    })
   })
 
   it('lets a custom class implement the storage contract', () => {
