@@ -31,7 +31,6 @@ function appendHook<T> (existing: T | T[] | undefined, hook: T, replaced: unknow
 
 const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) => {
   const base = normalizeOptions(options)
-  const headerLabel = options.headerName ?? 'Idempotency-Key'
   // A second registration (in another encapsulated context, say) shares the decoration.
   if (!fastify.hasRequestDecorator(kState as unknown as string)) {
     fastify.decorateRequest(kState as unknown as string, null)
@@ -44,9 +43,9 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     const method = Array.isArray(routeOptions.method) ? routeOptions.method.join(',') : routeOptions.method
     const settings = routeSettings(base, config, `${method} ${routeOptions.url}`)
     if (settings === null) return
-    const hooks = createRouteHooks(settings, headerLabel)
+    const hooks = createRouteHooks(settings)
     // Only when @fastify/swagger is there to read it: a header schema also means validation work.
-    if (this.hasDecorator('swagger')) documentRoute(routeOptions, settings, headerLabel)
+    if (this.hasDecorator('swagger')) documentRoute(routeOptions, settings)
     // Registered again in a child context, the innermost registration (whose onRoute runs last)
     // replaces the outer one's hooks: a route must never go through the plugin twice.
     const route = routeOptions as GuardedRoute

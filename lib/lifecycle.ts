@@ -76,8 +76,8 @@ export interface RouteHooks {
   onError: onErrorHookHandler
 }
 
-export function createRouteHooks (settings: RouteSettings, headerLabel: string): RouteHooks {
-  const { storage } = settings
+export function createRouteHooks (settings: RouteSettings): RouteHooks {
+  const { storage, headerLabel } = settings
   const storeName = storage.constructor.name
 
   /** Publish an outcome; the event object is only built when someone listens. */

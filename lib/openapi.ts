@@ -31,19 +31,20 @@ function isPlainObjectSchema (schema: unknown): schema is Schema {
   return schema !== null && typeof schema === 'object' && !Array.isArray(schema)
 }
 
-function withKeyHeader (headers: unknown, settings: RouteSettings, headerLabel: string): unknown {
+function withKeyHeader (headers: unknown, settings: RouteSettings): unknown {
+  const name = settings.headerName
   const property = {
     type: 'string',
     description: `Idempotency key of this operation: 1 to ${settings.maxKeyLength} visible ASCII characters, or an RFC 8941 quoted string. A retry with the same key gets the stored response.`
   }
-  const required = settings.required ? [headerLabel.toLowerCase()] : []
-  if (headers === undefined) return { type: 'object', properties: { [headerLabel.toLowerCase()]: property }, ...(required.length > 0 ? { required } : {}) }
+  const required = settings.required ? [name] : []
+  if (headers === undefined) return { type: 'object', properties: { [name]: property }, ...(required.length > 0 ? { required } : {}) }
   // A schema of another shape ($ref, a combinator) is the application's own: leave it alone.
   if (!isPlainObjectSchema(headers) || !isPlainObjectSchema(headers.properties)) return headers
   const properties = headers.properties
-  if (Object.keys(properties).some((name) => name.toLowerCase() === headerLabel.toLowerCase())) return headers
+  if (Object.keys(properties).some((name) => name.toLowerCase() === name)) return headers
   const existing = Array.isArray(headers.required) ? headers.required as string[] : []
-  return { ...headers, properties: { ...properties, [headerLabel.toLowerCase()]: property }, ...(required.length > 0 ? { required: [...existing, ...required] } : {}) }
+  return { ...headers, properties: { ...properties, [name]: property }, ...(required.length > 0 ? { required: [...existing, ...required] } : {}) }
 }
 
 function withResponses (response: unknown, settings: RouteSettings): unknown {
@@ -71,9 +72,9 @@ function withResponses (response: unknown, settings: RouteSettings): unknown {
 }
 
 /** Add the route's idempotency contract to its schema, for @fastify/swagger to render. */
-export function documentRoute (routeOptions: RouteOptions, settings: RouteSettings, headerLabel: string): void {
+export function documentRoute (routeOptions: RouteOptions, settings: RouteSettings): void {
   const schema: Schema = { ...routeOptions.schema }
-  schema.headers = withKeyHeader(schema.headers, settings, headerLabel)
+  schema.headers = withKeyHeader(schema.headers, settings)
   schema.response = withResponses(schema.response, settings)
   routeOptions.schema = schema
 }

@@ -65,7 +65,10 @@ export interface IdempotencyOptions extends IdempotencyRouteOptions {
 /** Everything a guarded route needs, normalized once. */
 export interface RouteSettings {
   storage: IdempotencyStorage
+  /** The key header's name, lower-cased, for lookups. */
   headerName: string
+  /** The same as the user wrote it, for messages. */
+  headerLabel: string
   maxKeyLength: number
   required: boolean
   expiration: number
@@ -238,6 +241,7 @@ export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettin
   return {
     storage,
     headerName: (options.headerName ?? 'Idempotency-Key').toLowerCase(),
+    headerLabel: options.headerName ?? 'Idempotency-Key',
     maxKeyLength: options.maxKeyLength ?? 255,
     required: options.required ?? false,
     expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),

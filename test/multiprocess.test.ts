@@ -11,7 +11,7 @@ import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { Redis } from 'ioredis'
 import knexFactory from 'knex'
-import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { effectCount, postOrder, startServers, type Answer, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
@@ -44,8 +44,7 @@ const LOCK_TIMEOUT = 2500
 async function dropNamespace (store: string, namespace: string): Promise<void> {
   if (store === 'redis') {
     const client = new Redis({ host: REDIS.host, port: REDIS.port })
-    const keys = await client.keys(`${namespace}:*`)
-    if (keys.length > 0) await client.del(...keys)
+    await deleteRedisPrefix(client, `${namespace}:`)
     await client.quit()
   } else if (store === 'postgres' || store === 'mysql') {
     const knex = knexFactory(store === 'postgres' ? { client: 'pg', connection: pgConnection } : { client: 'mysql2', connection: mysqlConnection })

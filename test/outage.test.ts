@@ -12,7 +12,7 @@ import idempotency, { idempotencyErrorHandler, type IdempotencyOptions, type Ide
 import { RedisStorage } from '../lib/storage/redis.js'
 import { KnexStorage } from '../lib/storage/knex.js'
 import { dropIdempotencyTable } from '../lib/storage/knex-schema.js'
-import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
 import { newKey } from './helpers/app.js'
 
@@ -53,8 +53,7 @@ const targets: Target[] = [
       return {
         storage: new RedisStorage({ client, prefix }),
         dispose: async () => {
-          const keys = await client.keys(`${prefix}*`)
-          if (keys.length > 0) await client.del(...keys)
+          await deleteRedisPrefix(client, prefix)
           client.disconnect()
         }
       }

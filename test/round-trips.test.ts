@@ -9,7 +9,7 @@ import { KnexStorage } from '../lib/storage/knex.js'
 import { dropIdempotencyTable } from '../lib/storage/knex-schema.js'
 import { RedisStorage } from '../lib/storage/redis.js'
 import { buildApp, newKey } from './helpers/app.js'
-import { POSTGRES, REDIS, pgConnection, service } from './helpers/services.js'
+import { POSTGRES, REDIS, deleteRedisPrefix, pgConnection, service } from './helpers/services.js'
 
 const redis = await service(REDIS)
 const postgres = await service(POSTGRES)
@@ -31,8 +31,7 @@ describe.skipIf(!redis.available)(`round trips on Redis${redis.reason}`, () => {
   const client = new Redis({ host: REDIS.host, port: REDIS.port, enableAutoPipelining: true })
   const prefix = `rt:${process.pid}:${Date.now()}:`
   afterAll(async () => {
-    const keys = await client.keys(`${prefix}*`)
-    if (keys.length > 0) await client.del(...keys)
+    await deleteRedisPrefix(client, prefix)
     await client.quit()
   })
 

@@ -105,16 +105,17 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
-    const lease = this.#heldLease(key, token)
+    const now = this.#now()
+    const lease = this.#heldLease(key, token, now)
     if (lease === undefined) return false
     this.#leases.delete(key)
     // An exact-size copy of the body: a small Buffer is usually a slice of Node's shared 8 KiB pool,
     // and keeping the slice would keep the whole slab alive, unseen by `maxBytes`.
     const body = Buffer.allocUnsafeSlow(response.body.length)
     response.body.copy(body)
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: this.#now() + expiration })
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: now + expiration })
     this.#notify(key)
-    this.#dropOldestExpired()
+    this.#dropOldestExpired(now)
     if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
     return true
   }
@@ -163,14 +164,13 @@ export class MemoryStorage implements IdempotencyStorage {
     if (waiters !== undefined) for (const done of waiters) done()
   }
 
-  #heldLease (key: string, token: string): Lease | undefined {
+  #heldLease (key: string, token: string, now = this.#now()): Lease | undefined {
     const lease = this.#leases.get(key)
-    if (lease === undefined || lease.token !== token || lease.expiresAt <= this.#now()) return undefined
+    if (lease === undefined || lease.token !== token || lease.expiresAt <= now) return undefined
     return lease
   }
 
-  #dropOldestExpired (): void {
-    const now = this.#now()
+  #dropOldestExpired (now: number): void {
     let expired: string[] | null = null
     let checked = 0
     for (const [key, entry] of this.#entries.rentries() as Generator<[string, Entry]>) {

@@ -48,3 +48,9 @@ export async function service (config: ServiceConfig): Promise<Availability> {
   if (process.env.CI === 'true') throw new Error(`${reason}: under CI=true a missing service is a failure, not a skip`)
   return { available: false, reason: ` [skipped: ${reason}]` }
 }
+
+/** Delete every key under `prefix` on the shared Redis, so a test leaves nothing behind. */
+export async function deleteRedisPrefix (client: { keys: (pattern: string) => Promise<string[]>, del: (...keys: string[]) => Promise<number> }, prefix: string): Promise<void> {
+  const keys = await client.keys(`${prefix}*`)
+  if (keys.length > 0) await client.del(...keys)
+}

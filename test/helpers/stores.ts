@@ -12,7 +12,7 @@ import { MemoryStorage } from '../../lib/storage/memory.js'
 import { RedisStorage } from '../../lib/storage/redis.js'
 import { KnexStorage } from '../../lib/storage/knex.js'
 import { dropIdempotencyTable } from '../../lib/storage/knex-schema.js'
-import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service } from './services.js'
+import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service } from './services.js'
 
 export interface StoreCase {
   name: string
@@ -41,8 +41,7 @@ function redisCase (available: boolean, reason: string): StoreCase {
     },
     cleanup: async () => {
       if (client === undefined) return
-      const keys = await client.keys(`${prefix}*`)
-      if (keys.length > 0) await client.del(...keys)
+      await deleteRedisPrefix(client, prefix)
       await client.quit()
     }
   }
