@@ -44,6 +44,9 @@ describe('hostile input', () => {
     const { app } = await buildApp({ fingerprint: { method: false, query: true } })
     let n = 0
     await fc.assert(fc.asyncProperty(fc.json(), fc.json(), query, query, async (first, second, q1, q2) => {
+      // Fastify's own JSON parser refuses these members (prototype poisoning) with a 400 before
+      // any hook runs: such a body never reaches the plugin.
+      fc.pre(!/"(?:__proto__|constructor)"/.test(first + second))
       const key = `prop-${++n}`
       const send = (payload: string, q: string) => app.inject({ method: 'POST', url: `/orders?${q}`, headers: { 'idempotency-key': key, 'content-type': 'application/json' }, payload })
       const original = await send(first, q1)
