@@ -37,6 +37,9 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     fastify.decorateRequest('idempotency', null)
   }
 
+  // Every route's lease renewal, stopped when the server closes.
+  const renewals: Array<{ stop: () => void }> = []
+
   fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
     if (config === undefined) return
@@ -44,6 +47,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     const settings = routeSettings(base, config, `${method} ${routeOptions.url}`)
     if (settings === null) return
     const hooks = createRouteHooks(settings)
+    renewals.push(hooks.renewal)
     // Only when @fastify/swagger is there to read it: a header schema also means validation work.
     if (this.hasDecorator('swagger')) documentRoute(routeOptions, settings)
     // Registered again in a child context, the innermost registration (whose onRoute runs last)
@@ -59,10 +63,11 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     routeOptions.onError = appendHook(routeOptions.onError, hooks.onError, replaced) as RouteOptions['onError']
   })
 
-  // Close only a store the plugin created itself.
-  if (options.storage === undefined) {
-    fastify.addHook('onClose', async () => { await base.storage.close?.() })
-  }
+  fastify.addHook('onClose', async () => {
+    for (const renewal of renewals) renewal.stop()
+    // Close only a store the plugin created itself.
+    if (options.storage === undefined) await base.storage.close?.()
+  })
 }
 
 /** The plugin, for `fastify.register(idempotency, options)`. */

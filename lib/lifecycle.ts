@@ -21,6 +21,7 @@ import {
 import { channels, type IdempotencyEvent, type IdempotencyOutcome } from './diagnostics.js'
 import { computeFingerprint } from './fingerprint.js'
 import { readIdempotencyKey } from './key.js'
+import { LeaseRenewal } from './lease-renewal.js'
 import type { RouteSettings } from './options.js'
 import type { StorageTransaction, StoredResponse, TransactionalStorage } from './storage/types.js'
 
@@ -38,13 +39,13 @@ type Phase =
   | 'replayed'
 
 interface RequestState {
+  request: FastifyRequest
   key: string
   phase: Phase
   /** performance.now() when the plugin first went to the store for this request. */
   started: number
   storageKey: string
   token: string
-  renewal: NodeJS.Timeout | null
   /** The replayed response had no Content-Type; Fastify adds one to Buffers, so it is taken off again. */
   replayWithoutType: boolean
   /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
@@ -74,6 +75,8 @@ export interface RouteHooks {
   preHandler: preHandlerAsyncHookHandler
   onSend: onSendHookHandler
   onError: onErrorHookHandler
+  /** The route's lease renewal, stopped when the server closes. */
+  renewal: { stop: () => void }
 }
 
 export function createRouteHooks (settings: RouteSettings): RouteHooks {
@@ -95,6 +98,19 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
     } satisfies IdempotencyEvent)
   }
 
+  /** One timer renews the leases of this route's running handlers. */
+  const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, (state) => {
+    const { request } = state
+    storage.renew(state.storageKey, state.token, settings.lockTimeout).then((held) => {
+      if (held || state.phase !== 'held') return
+      emit('lease-lost', request, state, { phase: 'renew' })
+      request.log.warn({ idempotencyKey: state.key }, 'idempotency lease lost while the handler was running')
+    }, (error: unknown) => {
+      emit('store-error', request, state, { phase: 'renew', error })
+      request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency lease renewal failed')
+    })
+  })
+
   function onRequest (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
     let key
     try {
@@ -108,7 +124,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
       return
     }
     (request as ContextRequest).idempotency = { key, transaction: undefined }
-    ;(request as StatefulRequest)[kState] = { key, phase: 'idle', started: 0, storageKey: '', token: '', renewal: null, replayWithoutType: false, failed: false, transaction: null }
+    ;(request as StatefulRequest)[kState] = { request, key, phase: 'idle', started: 0, storageKey: '', token: '', replayWithoutType: false, failed: false, transaction: null }
     done()
   }
 
@@ -226,18 +242,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
 
   /** Keep the lease alive while the handler runs, and let a hijacked reply give it back. */
   function holdLease (request: FastifyRequest, reply: FastifyReply, state: RequestState): void {
-    const renewEvery = Math.max(1, Math.floor(settings.lockTimeout / 3))
-    state.renewal = setInterval(() => {
-      storage.renew(state.storageKey, state.token, settings.lockTimeout).then((held) => {
-        if (held || state.phase !== 'held') return
-        emit('lease-lost', request, state, { phase: 'renew' })
-        request.log.warn({ idempotencyKey: state.key }, 'idempotency lease lost while the handler was running')
-      }, (error: unknown) => {
-        emit('store-error', request, state, { phase: 'renew', error })
-        request.log.warn({ err: error, idempotencyKey: state.key }, 'idempotency lease renewal failed')
-      })
-    }, renewEvery)
-    state.renewal.unref()
+    renewal.hold(state)
     reply.raw.once('close', () => {
       if (state.phase !== 'held') return
       // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.
@@ -249,8 +254,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
       // handler a second time alongside it, and onSend settles it with the handler's outcome (a
       // retry then replays what was done). Renewal stops, though: a handler that never answers
       // frees the key once lockTimeout has passed instead of holding it for ever.
-      if (state.renewal !== null) clearInterval(state.renewal)
-      state.renewal = null
+      renewal.drop(state)
     })
   }
 
@@ -264,7 +268,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
    */
   async function settle (request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse | null, why: NotStored = 'not-cacheable'): Promise<boolean> {
     state.phase = 'settling'
-    if (state.renewal !== null) clearInterval(state.renewal)
+    renewal.drop(state)
     if (state.transaction !== null) return settleTransaction(request, reply, state, state.transaction, response, why)
     let reason: NotStored | undefined = response === null ? why : undefined
     const phase = response === null ? 'release' : 'complete'
@@ -321,14 +325,22 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
     return reason === undefined || reason === 'not-cacheable' || reason === 'failed' || reason === 'hijacked'
   }
 
-  async function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown): Promise<unknown> {
+  /**
+   * Callback style, not async: most responses (replays, requests without a key, refusals) pass
+   * straight through, and an async hook would cost each of them a promise and a microtask.
+   */
+  function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void {
     const state = (request as StatefulRequest)[kState]
-    if (state === null) return payload
-    if (state.phase === 'replayed') {
-      if (state.replayWithoutType) reply.removeHeader('content-type')
-      return payload
+    if (state !== null && state.phase === 'held') {
+      settleResponse(request, reply, state, payload).then((sent) => { done(null, sent) }, done)
+      return
     }
-    if (state.phase !== 'held') return payload
+    if (state !== null && state.phase === 'replayed' && state.replayWithoutType) reply.removeHeader('content-type')
+    done(null, payload)
+  }
+
+  /** The handler's response: store it (or drop the lease) and hand on the payload to send. */
+  async function settleResponse (request: FastifyRequest, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
     if (state.failed || !settings.cacheable.has(reply.statusCode)) {
       await settle(request, reply, state, null, state.failed ? 'failed' : 'not-cacheable')
       return payload
@@ -363,5 +375,5 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
     done()
   }
 
-  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError }
+  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError, renewal }
 }

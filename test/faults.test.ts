@@ -129,7 +129,8 @@ describe('store failures', () => {
     const key = newKey()
     const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     while (renewals.length < 4) await new Promise((resolve) => setTimeout(resolve, 20))
-    // 4 renewals at lockTimeout/3 = 200 ms in: without them the 150 ms lease would have lapsed.
+    // 4 renewals (every lockTimeout/4, the first within 3/8 of it) are over 150 ms in: without
+    // them the 150 ms lease would have lapsed.
     const retry = await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     expect(retry.statusCode).toBe(409)
     open()

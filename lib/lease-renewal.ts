@@ -1,0 +1,56 @@
+/**
+ * Keeps the leases of running handlers alive: one timer per route, not one per request. (A
+ * `setInterval` and `clearInterval` for every first request cost more than the rest of the lease
+ * bookkeeping together; adding to and deleting from a Map costs next to nothing.)
+ *
+ * The timer ticks every `lockTimeout / 4` while leases are held and stops on the first tick that
+ * finds none. A tick renews each lease taken or renewed at least `lockTimeout / 8` before, so a
+ * lease is first renewed at most 3/8 of `lockTimeout` after it was taken, then every
+ * `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
+ */
+export class LeaseRenewal<Lease> {
+  /** Each held lease, with when it was taken or last renewed (epoch ms). */
+  readonly #held = new Map<Lease, number>()
+  readonly #period: number
+  readonly #renew: (lease: Lease) => void
+  #timer: NodeJS.Timeout | null = null
+
+  constructor (lockTimeout: number, renew: (lease: Lease) => void) {
+    this.#period = Math.max(1, Math.floor(lockTimeout / 4))
+    this.#renew = renew
+  }
+
+  /** Renew `lease` from now on, until `drop`. */
+  hold (lease: Lease): void {
+    this.#held.set(lease, Date.now())
+    if (this.#timer !== null) return
+    this.#timer = setInterval(() => { this.#tick() }, this.#period)
+    // Never what keeps a process alive: a lease outliving its process lapses, as it must.
+    this.#timer.unref()
+  }
+
+  drop (lease: Lease): void {
+    this.#held.delete(lease)
+  }
+
+  /** Stop renewing everything (the server is closing). */
+  stop (): void {
+    this.#held.clear()
+    if (this.#timer !== null) clearInterval(this.#timer)
+    this.#timer = null
+  }
+
+  #tick (): void {
+    if (this.#held.size === 0) {
+      this.stop()
+      return
+    }
+    const now = Date.now()
+    const due = now - this.#period / 2
+    for (const [lease, since] of this.#held) {
+      if (since > due) continue
+      this.#held.set(lease, now)
+      this.#renew(lease)
+    }
+  }
+}
