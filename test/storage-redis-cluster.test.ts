@@ -96,7 +96,7 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     const define = vi.spyOn(own, 'defineCommand')
     const storage = new RedisStorage({ client: own, prefix: PREFIX + 'trips:' })
     new RedisStorage({ client: own, prefix: PREFIX + 'trips:' }) // eslint-disable-line no-new
-    expect(define).toHaveBeenCalledTimes(3)
+    expect(define).toHaveBeenCalledTimes(4)
     await own.ping()
     const sent: string[] = []
     const original = own.sendCommand

@@ -216,9 +216,9 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       const shared = newClient()
       const define = vi.spyOn(shared, 'defineCommand')
       const a = new RedisStorage({ client: shared, prefix: PREFIX + 'shared:' })
-      expect(define).toHaveBeenCalledTimes(3)
+      expect(define).toHaveBeenCalledTimes(4)
       const b = new RedisStorage({ client: shared, prefix: PREFIX + 'shared:' })
-      expect(define).toHaveBeenCalledTimes(3)
+      expect(define).toHaveBeenCalledTimes(4)
       const key = freshKey('shared')
       const lease = await a.begin(key, 'fp', LEASE)
       expect(lease.state).toBe('acquired')
@@ -290,9 +290,11 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       expect(lease.state).toBe('acquired')
       const token = lease.state === 'acquired' ? lease.token : ''
       expect(await client.type(redisKey)).toBe('string')
+      // The token is the lease's fence (36 characters) followed by the fingerprint.
+      expect(token.slice(36)).toBe('fp-layout')
       const leaseValue = await client.get(redisKey)
-      expect(leaseValue).toMatch(new RegExp(`^L${token}(\\d+)\\|fp-layout$`))
-      const leaseEnd = Number(/^L.{36}(\d+)\|/.exec(leaseValue!)![1])
+      expect(leaseValue).toMatch(new RegExp(`^L${token.slice(0, 36)}-(\\d+)\\|fp-layout$`))
+      const leaseEnd = Number(/^L.{36}-(\d+)\|/.exec(leaseValue!)![1])
       expect(leaseEnd).toBeGreaterThanOrEqual(before + LEASE)
       expect(leaseEnd).toBeLessThanOrEqual(Date.now() + LEASE)
       const leaseTtl = await client.pttl(redisKey)
@@ -325,6 +327,58 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       expect(renewed.state === 'in-flight' && renewed.fingerprint).toBe('fp')
       expect(renewed.state === 'in-flight' ? renewed.lockExpiresAt - Date.now() : 0).toBeGreaterThan(19_000)
       expect(await client.pttl(storage.redisKey(key))).toBeGreaterThan(19_000)
+    })
+
+    it('hands out fences no other storage instance uses, even on one client', async () => {
+      const a = new RedisStorage({ client, prefix: PREFIX + 'fences:' })
+      const b = new RedisStorage({ client, prefix: PREFIX + 'fences:' })
+      const key = freshKey('fences')
+      const first = await a.begin(key, 'fp', LEASE)
+      expect(first.state).toBe('acquired')
+      const token = first.state === 'acquired' ? first.token : ''
+      expect(await a.release(key, token)).toBe(true)
+      const second = await b.begin(key, 'fp', LEASE)
+      const other = second.state === 'acquired' ? second.token : ''
+      expect(other.slice(0, 36)).not.toBe(token.slice(0, 36))
+      // The first holder's token no longer fences anything, whichever instance it came from.
+      expect(await a.complete(key, token, response, EXPIRY)).toBe(false)
+      expect(await b.complete(key, other, response, EXPIRY)).toBe(true)
+    })
+
+    it('publishes the end of a lease only when someone waits for it, and a waiter\'s mark survives renewal', async () => {
+      const storage = new RedisStorage({ client, prefix: PREFIX + 'publish:' })
+      const listener = client.duplicate()
+      const heard: string[] = []
+      listener.on('message', (channel: string) => { heard.push(channel) })
+      try {
+        // Nobody waits: complete and release publish nothing.
+        const quiet = freshKey('publish')
+        await listener.subscribe(`${storage.redisKey(quiet)}:ended`)
+        let lease = await storage.begin(quiet, 'fp', LEASE)
+        expect(await storage.release(quiet, lease.state === 'acquired' ? lease.token : '')).toBe(true)
+        lease = await storage.begin(quiet, 'fp', LEASE)
+        expect(await storage.complete(quiet, lease.state === 'acquired' ? lease.token : '', response, EXPIRY)).toBe(true)
+
+        // A waiter marks the lease (keeping its expiry); renewal keeps the mark; complete publishes.
+        const awaited = freshKey('publish')
+        const channel = `${storage.redisKey(awaited)}:ended`
+        await listener.subscribe(channel)
+        const held = await storage.begin(awaited, 'fp', LEASE)
+        const token = held.state === 'acquired' ? held.token : ''
+        const waiting = storage.waitFor(awaited, 10_000)
+        await vi.waitFor(async () => { expect((await client.get(storage.redisKey(awaited)))?.[37]).toBe('W') })
+        expect(await client.pttl(storage.redisKey(awaited))).toBeGreaterThan(LEASE - 2000)
+        expect(await storage.renew(awaited, token, LEASE)).toBe(true)
+        expect((await client.get(storage.redisKey(awaited)))?.[37]).toBe('W')
+        const inFlight = await storage.begin(awaited, 'other', LEASE)
+        expect(inFlight.state === 'in-flight' && inFlight.fingerprint).toBe('fp')
+        expect(await storage.complete(awaited, token, response, EXPIRY)).toBe(true)
+        await waiting
+        await vi.waitFor(() => { expect(heard).toEqual([channel]) })
+      } finally {
+        listener.disconnect()
+        await storage.close()
+      }
     })
 
     it('makes the whole key, escaped, the hash tag, so braces in a key cannot move it to another slot', async () => {

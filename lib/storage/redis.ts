@@ -1,4 +1,5 @@
-import { createHash, randomUUID } from 'node:crypto'
+import { isUtf8 } from 'node:buffer'
+import { createHash, randomBytes } from 'node:crypto'
 import type { Cluster, Redis } from 'ioredis'
 import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
 
@@ -15,7 +16,7 @@ export interface RedisStorageOptions {
 /*
  * One string per idempotency key, whose first byte says what it holds:
  *
- *   lease:  'L' <token: 36 chars> <lease end: epoch ms> '|' <fingerprint>
+ *   lease:  'L' <fence: 36 chars> <waiters: '-' or 'W'> <lease end: epoch ms> '|' <fingerprint>
  *   entry:  'C' <fingerprint length> '|' <fingerprint> <head length> '|' <head> <body bytes>
  *
  * where head is the JSON `[status, contentType, headers]` (lengths in bytes, in decimal)
@@ -27,47 +28,62 @@ export interface RedisStorageOptions {
  * The key's PX expiry is the lease while in flight and the entry's lifetime once completed, so
  * Redis drops both on time.
  *
- * Complete, release and renew are short scripts that first compare the lease prefix ('L' + token,
- * 37 bytes) and publish on the key's channel when a lease ends, for `waitFor`. Complete takes the
- * fingerprint from the lease it replaces, so the client never sends it twice.
+ * Complete, release and renew are short scripts that first compare the lease's first 37 bytes
+ * ('L' + fence). The token `begin` hands out is the fence followed by the fingerprint, so
+ * `complete` builds the whole entry on the client and the script only compares and SETs.
+ * A request waiting for the key (`waitFor`, possibly in another process) turns the waiters byte
+ * into 'W'; only then do complete and release PUBLISH on the key's channel, so a key nobody
+ * waits for costs no PUBLISH (which in Redis Cluster goes to every node).
  */
 
-const TOKEN_LENGTH = 36
-const LEASE_PREFIX_LENGTH = 1 + TOKEN_LENGTH
+const FENCE_LENGTH = 36
+const LEASE_PREFIX_LENGTH = 1 + FENCE_LENGTH
 
-// ARGV: lease prefix ('L' .. token), head length '|' head body, expiration ms, channel.
-// The body is appended rather than concatenated in Lua, so a large one is not copied twice.
+// ARGV: lease prefix ('L' .. fence), entry, expiration ms, channel
 const COMPLETE_LUA = `
-local lease = redis.call('GET', KEYS[1])
-if not lease or string.sub(lease, 1, 37) ~= ARGV[1] then
+local head = redis.call('GETRANGE', KEYS[1], 0, 37)
+if string.sub(head, 1, 37) ~= ARGV[1] then
   return 0
 end
-local fingerprint = string.sub(lease, string.find(lease, '|', 38, true) + 1)
-redis.call('SET', KEYS[1], 'C' .. #fingerprint .. '|' .. fingerprint, 'PX', ARGV[3])
-redis.call('APPEND', KEYS[1], ARGV[2])
-redis.call('PUBLISH', ARGV[4], '1')
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if string.sub(head, 38, 38) == 'W' then
+  redis.call('PUBLISH', ARGV[4], '1')
+end
 return 1
 `
 
 // ARGV: lease prefix, channel
 const RELEASE_LUA = `
-if redis.call('GETRANGE', KEYS[1], 0, 36) ~= ARGV[1] then
+local head = redis.call('GETRANGE', KEYS[1], 0, 37)
+if string.sub(head, 1, 37) ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], '1')
+if string.sub(head, 38, 38) == 'W' then
+  redis.call('PUBLISH', ARGV[2], '1')
+end
 return 1
 `
 
-// ARGV: lease prefix, new lease end (epoch ms), lockTimeout ms. The fingerprint is kept from the
-// current value, so the lease still reports it to duplicates.
+// ARGV: lease prefix, new lease end (epoch ms), lockTimeout ms. The waiters byte and the
+// fingerprint are kept from the current value, so the lease still reports it to duplicates.
 const RENEW_LUA = `
 local value = redis.call('GET', KEYS[1])
 if not value or string.sub(value, 1, 37) ~= ARGV[1] then
   return 0
 end
-local bar = string.find(value, '|', 38, true)
-redis.call('SET', KEYS[1], ARGV[1] .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
+local bar = string.find(value, '|', 39, true)
+redis.call('SET', KEYS[1], string.sub(value, 1, 38) .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
+return 1
+`
+
+// No ARGV. A waiter marks the lease so that its end is published; 0 when there is no lease (any
+// more): the waiter then has nothing to wait for. SETRANGE keeps the key's expiry.
+const MARK_WAITING_LUA = `
+if redis.call('GETRANGE', KEYS[1], 0, 0) ~= 'L' then
+  return 0
+end
+redis.call('SETRANGE', KEYS[1], 37, 'W')
 return 1
 `
 
@@ -81,18 +97,19 @@ function commandName (base: string, lua: string): string {
 const COMPLETE = commandName('idempotencyComplete_', COMPLETE_LUA)
 const RELEASE = commandName('idempotencyRelease_', RELEASE_LUA)
 const RENEW = commandName('idempotencyRenew_', RENEW_LUA)
+const MARK_WAITING = commandName('idempotencyMarkWaiting_', MARK_WAITING_LUA)
 
 const SCRIPTS: ReadonlyArray<readonly [string, string]> = [
   [COMPLETE, COMPLETE_LUA],
   [RELEASE, RELEASE_LUA],
-  [RENEW, RENEW_LUA]
+  [RENEW, RENEW_LUA],
+  [MARK_WAITING, MARK_WAITING_LUA]
 ]
 
 type ScriptArg = string | number | Buffer
 type ScriptCommand = (...args: ScriptArg[]) => Promise<unknown>
 type ScriptedClient = Record<string, ScriptCommand | undefined> & {
   defineCommand: (name: string, definition: { lua: string, numberOfKeys: number }) => void
-  getrange: (key: string, start: number, end: number) => Promise<string>
 }
 
 type SetNxGet = (key: string, value: string, px: 'PX', ttl: number, nx: 'NX', get: 'GET') => Promise<Buffer | null>
@@ -124,14 +141,20 @@ function ttl (ms: number, what: string): number {
   throw new RangeError(`RedisStorage: ${what} must be a number of milliseconds from 1 to ${MAX_TTL}, got ${ms}`)
 }
 
-function decodeBegin (value: Buffer | null, token: string): BeginResult {
-  if (value === null) return { state: 'acquired', token }
+/** What the scripts compare a lease's first 37 bytes with. */
+function leasePrefix (token: string): string {
+  return 'L' + token.slice(0, FENCE_LENGTH)
+}
+
+function decodeBegin (value: Buffer | null, fence: string, fingerprint: string): BeginResult {
+  if (value === null) return { state: 'acquired', token: fence + fingerprint }
   const bar = value.indexOf(BAR, 1)
   if (value[0] === LEASE) {
     return {
       state: 'in-flight',
       fingerprint: value.toString('latin1', bar + 1),
-      lockExpiresAt: Number(value.toString('latin1', LEASE_PREFIX_LENGTH, bar))
+      // After the fence and the waiters byte.
+      lockExpiresAt: Number(value.toString('latin1', LEASE_PREFIX_LENGTH + 1, bar))
     }
   }
   if (value[0] !== ENTRY || bar === -1) throw new Error('RedisStorage: the value under this key was not written by RedisStorage')
@@ -147,20 +170,35 @@ function decodeBegin (value: Buffer | null, token: string): BeginResult {
   }
 }
 
-/** The entry after its fingerprint, as COMPLETE_LUA appends it: head length '|' head body. */
-function encodeEntryTail (response: StoredResponse): Buffer {
+/**
+ * The whole entry value, as COMPLETE_LUA stores it. A string when the body is valid UTF-8 (a
+ * JSON body always is): it encodes back to the same bytes, and ioredis writes a command of
+ * strings in one piece, where a Buffer argument costs it several copies (measured: its command
+ * encoding took five times as long). Any other body goes as bytes.
+ */
+function encodeEntry (fingerprint: string, response: StoredResponse): string | Buffer {
   const head = JSON.stringify([response.statusCode, response.contentType, response.headers] satisfies Head)
-  return Buffer.concat([Buffer.from(`${Buffer.byteLength(head)}|${head}`), response.body])
+  const text = `C${Buffer.byteLength(fingerprint)}|${fingerprint}${Buffer.byteLength(head)}|${head}`
+  if (isUtf8(response.body)) return text + response.body.toString('utf8')
+  const size = Buffer.byteLength(text)
+  const entry = Buffer.allocUnsafe(size + response.body.length)
+  entry.write(text, 0, 'utf8')
+  response.body.copy(entry, size)
+  return entry
 }
 
 /**
- * Idempotency storage on Redis or Redis Cluster through ioredis: one hash per key, every
- * operation one Lua script and one round trip, leases and entries expired by Redis itself.
+ * Idempotency storage on Redis or Redis Cluster through ioredis: one string per key, every
+ * operation one command (`begin`) or one short script and one round trip, leases and entries
+ * expired by Redis itself.
  */
 export class RedisStorage implements IdempotencyStorage {
   readonly #client: ScriptedClient
   readonly #setNxGet: SetNxGet
   readonly #open: string
+  /** Fences are this instance's random prefix (128 bits) and a counter: unique, and cheaper than a UUID each. */
+  readonly #fencePrefix = randomBytes(16).toString('base64url')
+  #fences = 0
   #subscriber: Promise<Subscriber> | null = null
   /** Per channel, the callbacks of the requests waiting on it. */
   readonly #waiters = new Map<string, Set<(error?: unknown) => void>>()
@@ -193,25 +231,27 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   async begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult> {
-    const token = randomUUID()
-    const lease = `L${token}${Date.now() + lockTimeout}|${fingerprint}`
+    const fence = this.#fencePrefix + (++this.#fences).toString(36).padStart(FENCE_LENGTH - this.#fencePrefix.length, '0')
+    const lease = `L${fence}-${Date.now() + lockTimeout}|${fingerprint}`
     const value = await this.#setNxGet(this.redisKey(key), lease, 'PX', ttl(lockTimeout, 'lockTimeout'), 'NX', 'GET')
-    return decodeBegin(value, token)
+    return decodeBegin(value, fence, fingerprint)
   }
 
+  /** The token is the fence and the fingerprint the lease was taken with (see `begin`). */
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const redisKey = this.redisKey(key)
-    const reply = await this.#client[COMPLETE]!(redisKey, `L${token}`, encodeEntryTail(response), ttl(expiration, 'expiration'), this.#channel(redisKey))
+    const entry = encodeEntry(token.slice(FENCE_LENGTH), response)
+    const reply = await this.#client[COMPLETE]!(redisKey, leasePrefix(token), entry, ttl(expiration, 'expiration'), this.#channel(redisKey))
     return Number(reply) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
     const redisKey = this.redisKey(key)
-    return Number(await this.#client[RELEASE]!(redisKey, `L${token}`, this.#channel(redisKey))) === 1
+    return Number(await this.#client[RELEASE]!(redisKey, leasePrefix(token), this.#channel(redisKey))) === 1
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
-    return Number(await this.#client[RENEW]!(this.redisKey(key), `L${token}`, Date.now() + lockTimeout, ttl(lockTimeout, 'lockTimeout'))) === 1
+    return Number(await this.#client[RENEW]!(this.redisKey(key), leasePrefix(token), Date.now() + lockTimeout, ttl(lockTimeout, 'lockTimeout'))) === 1
   }
 
   /**
@@ -241,9 +281,9 @@ export class RedisStorage implements IdempotencyStorage {
     waiters.add(done)
     try {
       if (first) await (await subscriber).subscribe(channel)
-      // Subscribed: an end from now on is heard. One that came before is seen here.
-      const head = await this.#client.getrange(redisKey, 0, 0)
-      if (head !== 'L') done()
+      // Subscribed: an end from now on is heard (the mark makes the holder publish it). One that
+      // came before is seen here: there is no lease left to mark.
+      if (Number(await this.#client[MARK_WAITING]!(redisKey)) === 0) done()
     } catch (error) {
       done(error)
     }
