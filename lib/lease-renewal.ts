@@ -8,11 +8,20 @@
  * lease is first renewed at most 3/8 of `lockTimeout` after it was taken, then every
  * `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
  */
-export class LeaseRenewal<Lease> {
-  /** Each held lease, with when it was taken or last renewed (epoch ms). */
-  readonly #held = new Map<Lease, number>()
+
+/** What the renewal keeps on each lease it holds. */
+export interface RenewedLease {
+  /** Its entry in the renewal's map: a number, because an object key costs V8 an identity hash. */
+  renewalId: number
+  /** When it was taken or last renewed (epoch ms). */
+  renewedAt: number
+}
+
+export class LeaseRenewal<Lease extends RenewedLease> {
+  readonly #held = new Map<number, Lease>()
   readonly #period: number
   readonly #renew: (lease: Lease) => void
+  #ids = 0
   #timer: NodeJS.Timeout | null = null
 
   constructor (lockTimeout: number, renew: (lease: Lease) => void) {
@@ -22,7 +31,9 @@ export class LeaseRenewal<Lease> {
 
   /** Renew `lease` from now on, until `drop`. */
   hold (lease: Lease): void {
-    this.#held.set(lease, Date.now())
+    lease.renewalId = ++this.#ids
+    lease.renewedAt = Date.now()
+    this.#held.set(lease.renewalId, lease)
     if (this.#timer !== null) return
     this.#timer = setInterval(() => { this.#tick() }, this.#period)
     // Never what keeps a process alive: a lease outliving its process lapses, as it must.
@@ -30,7 +41,7 @@ export class LeaseRenewal<Lease> {
   }
 
   drop (lease: Lease): void {
-    this.#held.delete(lease)
+    this.#held.delete(lease.renewalId)
   }
 
   /** Stop renewing everything (the server is closing). */
@@ -47,9 +58,9 @@ export class LeaseRenewal<Lease> {
     }
     const now = Date.now()
     const due = now - this.#period / 2
-    for (const [lease, since] of this.#held) {
-      if (since > due) continue
-      this.#held.set(lease, now)
+    for (const lease of this.#held.values()) {
+      if (lease.renewedAt > due) continue
+      lease.renewedAt = now
       this.#renew(lease)
     }
   }

@@ -21,7 +21,7 @@ import {
 import { channels, type IdempotencyEvent, type IdempotencyOutcome } from './diagnostics.js'
 import { computeFingerprint } from './fingerprint.js'
 import { readIdempotencyKey } from './key.js'
-import { LeaseRenewal } from './lease-renewal.js'
+import { LeaseRenewal, type RenewedLease } from './lease-renewal.js'
 import type { RouteSettings } from './options.js'
 import type { StorageTransaction, StoredResponse, TransactionalStorage } from './storage/types.js'
 
@@ -38,7 +38,7 @@ type Phase =
   /** A stored response is being replayed. */
   | 'replayed'
 
-interface RequestState {
+interface RequestState extends RenewedLease {
   request: FastifyRequest
   key: string
   phase: Phase
@@ -124,7 +124,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
       return
     }
     (request as ContextRequest).idempotency = { key, transaction: undefined }
-    ;(request as StatefulRequest)[kState] = { request, key, phase: 'idle', started: 0, storageKey: '', token: '', replayWithoutType: false, failed: false, transaction: null }
+    ;(request as StatefulRequest)[kState] = { request, key, phase: 'idle', started: 0, storageKey: '', token: '', replayWithoutType: false, failed: false, transaction: null, renewalId: 0, renewedAt: 0 }
     done()
   }
 
