@@ -26,13 +26,16 @@ interface Entry {
 /** Rough per-entry bookkeeping cost, so thousands of empty bodies still count against `maxBytes`. */
 const ENTRY_OVERHEAD_BYTES = 256
 /**
- * Expired entries go three ways: a read drops the one it finds; every write drops up to two
- * expired entries from the least recently used end (cheap, and where old entries gather); and
- * every 65 536 writes one full sweep catches the rest (a full sweep walks every entry, so it is
- * kept rare enough to cost about one step per write).
+ * Expired entries go three ways: a read drops the one it finds; every 16th write drops up to 32
+ * expired entries from the least recently used end (where old entries gather; batched, because
+ * each look costs an iterator); and a full sweep catches the rest once the writes since the last
+ * one reach 16 times the entries held (at least 65 536), so a sweep, which walks every entry,
+ * costs at most one step per 16 writes however large the store.
  */
-const SWEEP_EVERY_WRITES = 65_536
-const OLDEST_CHECKED_PER_WRITE = 2
+const SWEEP_MIN_WRITES = 65_536
+const SWEEP_WRITES_PER_ENTRY = 16
+const OLDEST_CHECK_EVERY_WRITES = 16
+const OLDEST_CHECKED = 32
 
 function entrySize (key: string, entry: Entry): number {
   let size = ENTRY_OVERHEAD_BYTES + key.length + entry.fingerprint.length + entry.response.body.length
@@ -57,6 +60,7 @@ export class MemoryStorage implements IdempotencyStorage {
   /** Callbacks of requests waiting for a key's lease to end (see `waitFor`). */
   readonly #waiters = new Map<string, Set<() => void>>()
   #writes = 0
+  #writesSinceSweep = 0
 
   constructor (options: MemoryStorageOptions = {}) {
     const maxEntries = options.maxEntries ?? 100_000
@@ -115,8 +119,8 @@ export class MemoryStorage implements IdempotencyStorage {
     response.body.copy(body)
     this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: now + expiration })
     this.#notify(key)
-    this.#dropOldestExpired(now)
-    if (++this.#writes % SWEEP_EVERY_WRITES === 0) this.#sweep()
+    if (++this.#writes % OLDEST_CHECK_EVERY_WRITES === 0) this.#dropOldestExpired(now)
+    if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
     return true
   }
 
@@ -174,13 +178,14 @@ export class MemoryStorage implements IdempotencyStorage {
     let expired: string[] | null = null
     let checked = 0
     for (const [key, entry] of this.#entries.rentries() as Generator<[string, Entry]>) {
-      if (++checked > OLDEST_CHECKED_PER_WRITE || entry.expiresAt > now) break
+      if (++checked > OLDEST_CHECKED || entry.expiresAt > now) break
       ;(expired ??= []).push(key)
     }
     if (expired !== null) for (const key of expired) this.#entries.delete(key)
   }
 
   #sweep (): void {
+    this.#writesSinceSweep = 0
     const now = this.#now()
     const expired: string[] = []
     for (const [key, entry] of this.#entries.entries() as Generator<[string, Entry]>) if (entry.expiresAt <= now) expired.push(key)
