@@ -48,6 +48,16 @@ describe('errors', () => {
     expect(IdempotencyFingerprintMismatchError.title).toBe('Idempotency fingerprint mismatch')
   })
 
+  it('capture no stack trace for a 4xx (the client\'s request, not a fault in code) and keep it for a 503', () => {
+    const frames = (error: Error) => (error.stack ?? '').split('\n').filter((line) => line.trimStart().startsWith('at ')).length
+    for (const { error, status } of kinds) {
+      if (status < 500) expect(frames(error), error.name).toBe(0)
+      else expect(frames(error), error.name).toBeGreaterThan(0)
+    }
+    // The limit is put back: other errors keep their stacks.
+    expect(frames(new Error('plain'))).toBeGreaterThan(0)
+  })
+
   it('rounds Retry-After up to whole seconds, at least 1', () => {
     expect(new IdempotencyRequestInProgressError('k', 12.2).headers['retry-after']).toBe('13')
     expect(new IdempotencyRequestInProgressError('k', -5).headers['retry-after']).toBe('1')
