@@ -318,7 +318,7 @@ function conditions (results: BenchResults): string {
   }
   const busy = median(loads) > cores
   return `**Conditions**: ${parts.join('; ')}.` + (busy
-    ? ' The machine was shared with other work (load above the core count), so single runs swing widely; the paired medians absorb part of it, ' +
+    ? ' The load counts the benchmark\'s own processes (load generator, server and store share the cores), and it was above the core count, so single runs swing widely; the paired medians absorb part of it, ' +
       'and a bar is called *clear* only when the middle half of its rounds (5 rounds at least) lies on one side of it.'
     : '')
 }
