@@ -91,12 +91,12 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     }
   })
 
-  it('sends one command per call through a Cluster client, and defines its scripts once', async () => {
+  it('sends one command per call through a Cluster client, and defines nothing on it', async () => {
     const own = newCluster()
     const define = vi.spyOn(own, 'defineCommand')
     const storage = new RedisStorage({ client: own, prefix: PREFIX + 'trips:' })
     new RedisStorage({ client: own, prefix: PREFIX + 'trips:' }) // eslint-disable-line no-new
-    expect(define).toHaveBeenCalledTimes(4)
+    expect(define).not.toHaveBeenCalled()
     await own.ping()
     const sent: string[] = []
     const original = own.sendCommand
