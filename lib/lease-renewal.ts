@@ -1,7 +1,8 @@
 /**
  * Keeps the leases of running handlers alive: one timer per route, not one per request. (A
  * `setInterval` and `clearInterval` for every first request cost more than the rest of the lease
- * bookkeeping together; adding to and deleting from a Map costs next to nothing.)
+ * bookkeeping together.) Held leases form a linked list through fields on the leases themselves,
+ * so taking and dropping one is a few pointer writes: no allocation, no hashing.
  *
  * The timer ticks every `lockTimeout / 4` while leases are held and stops on the first tick that
  * finds none. A tick renews each lease taken or renewed at least `lockTimeout / 8` before, so a
@@ -9,19 +10,19 @@
  * `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
  */
 
-/** What the renewal keeps on each lease it holds. */
+/** What the renewal keeps on each lease (initialize to `false`, `0`, `null`, `null`). */
 export interface RenewedLease {
-  /** Its entry in the renewal's map: a number, because an object key costs V8 an identity hash. */
-  renewalId: number
+  renewing: boolean
   /** When it was taken or last renewed (epoch ms). */
   renewedAt: number
+  previousHeld: RenewedLease | null
+  nextHeld: RenewedLease | null
 }
 
 export class LeaseRenewal<Lease extends RenewedLease> {
-  readonly #held = new Map<number, Lease>()
+  #first: Lease | null = null
   readonly #period: number
   readonly #renew: (lease: Lease) => void
-  #ids = 0
   #timer: NodeJS.Timeout | null = null
 
   constructor (lockTimeout: number, renew: (lease: Lease) => void) {
@@ -31,9 +32,13 @@ export class LeaseRenewal<Lease extends RenewedLease> {
 
   /** Renew `lease` from now on, until `drop`. */
   hold (lease: Lease): void {
-    lease.renewalId = ++this.#ids
+    if (lease.renewing) return
+    lease.renewing = true
     lease.renewedAt = Date.now()
-    this.#held.set(lease.renewalId, lease)
+    lease.previousHeld = null
+    lease.nextHeld = this.#first
+    if (this.#first !== null) this.#first.previousHeld = lease
+    this.#first = lease
     if (this.#timer !== null) return
     this.#timer = setInterval(() => { this.#tick() }, this.#period)
     // Never what keeps a process alive: a lease outliving its process lapses, as it must.
@@ -41,27 +46,34 @@ export class LeaseRenewal<Lease extends RenewedLease> {
   }
 
   drop (lease: Lease): void {
-    this.#held.delete(lease.renewalId)
+    if (!lease.renewing) return
+    lease.renewing = false
+    const { previousHeld, nextHeld } = lease
+    if (previousHeld === null) this.#first = nextHeld as Lease | null
+    else previousHeld.nextHeld = nextHeld
+    if (nextHeld !== null) nextHeld.previousHeld = previousHeld
+    lease.previousHeld = null
+    lease.nextHeld = null
   }
 
   /** Stop renewing everything (the server is closing). */
   stop (): void {
-    this.#held.clear()
+    while (this.#first !== null) this.drop(this.#first)
     if (this.#timer !== null) clearInterval(this.#timer)
     this.#timer = null
   }
 
   #tick (): void {
-    if (this.#held.size === 0) {
+    if (this.#first === null) {
       this.stop()
       return
     }
     const now = Date.now()
     const due = now - this.#period / 2
-    for (const lease of this.#held.values()) {
+    for (let lease = this.#first as RenewedLease | null; lease !== null; lease = lease.nextHeld) {
       if (lease.renewedAt > due) continue
       lease.renewedAt = now
-      this.#renew(lease)
+      this.#renew(lease as Lease)
     }
   }
 }

@@ -101,7 +101,9 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
   /** One timer renews the leases of this route's running handlers. */
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, (state) => {
     const { request } = state
-    storage.renew(state.storageKey, state.token, settings.lockTimeout).then((held) => {
+    // Through a promise, so a custom store that throws instead of rejecting cannot throw out of
+    // the shared timer (which would end the process).
+    Promise.resolve().then(() => storage.renew(state.storageKey, state.token, settings.lockTimeout)).then((held) => {
       if (held || state.phase !== 'held') return
       emit('lease-lost', request, state, { phase: 'renew' })
       request.log.warn({ idempotencyKey: state.key }, 'idempotency lease lost while the handler was running')
@@ -124,7 +126,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
       return
     }
     (request as ContextRequest).idempotency = { key, transaction: undefined }
-    ;(request as StatefulRequest)[kState] = { request, key, phase: 'idle', started: 0, storageKey: '', token: '', replayWithoutType: false, failed: false, transaction: null, renewalId: 0, renewedAt: 0 }
+    ;(request as StatefulRequest)[kState] = { request, key, phase: 'idle', started: 0, storageKey: '', token: '', replayWithoutType: false, failed: false, transaction: null, renewing: false, renewedAt: 0, previousHeld: null, nextHeld: null }
     done()
   }
 

@@ -1,0 +1,58 @@
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest'
+import { LeaseRenewal, type RenewedLease } from '../lib/lease-renewal.js'
+
+interface TestLease extends RenewedLease { name: string }
+
+function lease (name: string): TestLease {
+  return { name, renewing: false, renewedAt: 0, previousHeld: null, nextHeld: null }
+}
+
+describe('LeaseRenewal', () => {
+  beforeEach(() => { vi.useFakeTimers() })
+  afterEach(() => { vi.useRealTimers() })
+
+  it('renews each held lease every lockTimeout/4, the first time within 3/8 of lockTimeout, and stops at drop', () => {
+    const renewed: string[] = []
+    const renewal = new LeaseRenewal<TestLease>(800, (l) => { renewed.push(`${l.name}@${Date.now() - 1_000_000}`) })
+    vi.setSystemTime(1_000_000)
+    const a = lease('a')
+    renewal.hold(a)
+    vi.advanceTimersByTime(150)
+    const b = lease('b') // 50 ms old at the first tick (200 ms): too young; renewed at the second, 250 ms old
+    renewal.hold(b)
+    vi.advanceTimersByTime(50) // t = 200: first tick
+    expect(renewed).toEqual(['a@200'])
+    vi.advanceTimersByTime(200) // t = 400
+    expect(renewed.slice(1).sort()).toEqual(['a@400', 'b@400'])
+    renewal.drop(a)
+    vi.advanceTimersByTime(200) // t = 600
+    expect(renewed.slice(3)).toEqual(['b@600'])
+    renewal.drop(b)
+    vi.advanceTimersByTime(1000)
+    expect(renewed).toHaveLength(4)
+    // The idle tick stopped the timer.
+    expect(vi.getTimerCount()).toBe(0)
+  })
+
+  it('keeps the list intact whichever lease is dropped, and tolerates a second drop', () => {
+    const renewed: string[] = []
+    const renewal = new LeaseRenewal<TestLease>(400, (l) => { renewed.push(l.name) })
+    const leases = ['a', 'b', 'c', 'd', 'e'].map(lease)
+    for (const l of leases) renewal.hold(l)
+    renewal.drop(leases[2]!) // middle
+    renewal.drop(leases[4]!) // first in the list (taken last)
+    renewal.drop(leases[0]!) // last in the list
+    renewal.drop(leases[0]!) // again: nothing happens
+    vi.advanceTimersByTime(100)
+    expect(renewed.sort()).toEqual(['b', 'd'])
+    renewal.hold(leases[0]!)
+    renewal.hold(leases[0]!) // held twice: still one entry
+    vi.advanceTimersByTime(100)
+    expect(renewed.sort()).toEqual(['a', 'b', 'b', 'd', 'd'])
+    renewal.stop()
+    expect(leases.every((l) => !l.renewing && l.previousHeld === null && l.nextHeld === null)).toBe(true)
+    vi.advanceTimersByTime(1000)
+    expect(renewed).toHaveLength(5)
+    expect(vi.getTimerCount()).toBe(0)
+  })
+})
