@@ -262,6 +262,11 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
 
   type NotStored = NonNullable<IdempotencyEvent['reason']>
 
+  /** The handler ran: say whether its response was stored, and if not, why. */
+  function executed (request: FastifyRequest, reply: FastifyReply, state: RequestState, reason: NotStored | undefined): void {
+    emit('execute', request, state, { statusCode: reply.statusCode, stored: reason === undefined, ...(reason === undefined ? {} : { reason }) })
+  }
+
   /**
    * Store the response, or with `null` drop the lease (`why` says why). Never throws: the client
    * gets its response whatever the store does. Resolves `false` only in transaction mode, when the
@@ -287,7 +292,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
       emit('store-error', request, state, { phase, error })
       request.log.error({ err: error, idempotencyKey: state.key }, `idempotency store failed after the handler ran: the response was sent but ${response === null ? 'the key stays locked until its lease lapses' : 'not stored'}`)
     }
-    emit('execute', request, state, { statusCode: reply.statusCode, stored: reason === undefined, ...(reason === undefined ? {} : { reason }) })
+    executed(request, reply, state, reason)
     return true
   }
 
@@ -321,7 +326,7 @@ export function createRouteHooks (settings: RouteSettings): RouteHooks {
         request.log.error({ err: error, idempotencyKey: state.key }, 'idempotency lease could not be released: the key stays locked until its lease lapses')
       })
     }
-    emit('execute', request, state, { statusCode: reply.statusCode, stored: reason === undefined, ...(reason === undefined ? {} : { reason }) })
+    executed(request, reply, state, reason)
     // An error answer rolled back is what the client expects; a success whose writes were rolled
     // back (lease lost, commit failed, or a body that cannot be stored) is not.
     return reason === undefined || reason === 'not-cacheable' || reason === 'failed' || reason === 'hijacked'

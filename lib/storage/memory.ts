@@ -59,10 +59,10 @@ export class MemoryStorage implements IdempotencyStorage {
   readonly #now: () => number
   /** Callbacks of requests waiting for a key's lease to end (see `waitFor`). */
   readonly #waiters = new Map<string, Set<() => void>>()
-  #writes = 0
   /** Tokens are this instance's random prefix and a counter: unique, and cheaper than a UUID each. */
   readonly #tokenPrefix = randomBytes(12).toString('base64url')
   #tokens = 0
+  /** Stored responses since the last full sweep; every 16th also looks at the oldest entries. */
   #writesSinceSweep = 0
 
   constructor (options: MemoryStorageOptions = {}) {
@@ -122,8 +122,8 @@ export class MemoryStorage implements IdempotencyStorage {
     response.body.copy(body)
     this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: now + expiration })
     this.#notify(key)
-    if (++this.#writes % OLDEST_CHECK_EVERY_WRITES === 0) this.#dropOldestExpired(now)
     if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
+    else if (this.#writesSinceSweep % OLDEST_CHECK_EVERY_WRITES === 0) this.#dropOldestExpired(now)
     return true
   }
 

@@ -28,7 +28,7 @@ export interface RedisStorageOptions {
  * The key's PX expiry is the lease while in flight and the entry's lifetime once completed, so
  * Redis drops both on time.
  *
- * Complete, release and renew are short scripts that first compare the lease's first 37 bytes
+ * Complete and release (one script) and renew first compare the lease's first 37 bytes
  * ('L' + fence). The token `begin` hands out is the fence followed by the fingerprint, so
  * `complete` builds the whole entry on the client and the script only compares and SETs.
  * A request waiting for the key (`waitFor`, possibly in another process) turns the waiters byte
@@ -39,27 +39,23 @@ export interface RedisStorageOptions {
 const FENCE_LENGTH = 36
 const LEASE_PREFIX_LENGTH = 1 + FENCE_LENGTH
 
-// ARGV: lease prefix ('L' .. fence), entry, expiration ms, channel
-const COMPLETE_LUA = `
-local head = redis.call('GETRANGE', KEYS[1], 0, 37)
-if string.sub(head, 1, 37) ~= ARGV[1] then
-  return 0
-end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-if string.sub(head, 38, 38) == 'W' then
-  redis.call('PUBLISH', ARGV[4], '1')
-end
-return 1
-`
+// Lua strings count from 1: the lease prefix is bytes 1..37, the waiters byte is byte 38.
+const PREFIX_END = LEASE_PREFIX_LENGTH
+const WAITERS_BYTE = LEASE_PREFIX_LENGTH + 1
 
-// ARGV: lease prefix, channel
-const RELEASE_LUA = `
-local head = redis.call('GETRANGE', KEYS[1], 0, 37)
-if string.sub(head, 1, 37) ~= ARGV[1] then
+// Ends a lease: stores the entry when one is given (complete), deletes the key otherwise
+// (release). ARGV: lease prefix ('L' .. fence), channel, [entry, expiration ms].
+const END_LEASE_LUA = `
+local head = redis.call('GETRANGE', KEYS[1], 0, ${PREFIX_END})
+if string.sub(head, 1, ${PREFIX_END}) ~= ARGV[1] then
   return 0
 end
-redis.call('DEL', KEYS[1])
-if string.sub(head, 38, 38) == 'W' then
+if ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+else
+  redis.call('DEL', KEYS[1])
+end
+if string.sub(head, ${WAITERS_BYTE}, ${WAITERS_BYTE}) == 'W' then
   redis.call('PUBLISH', ARGV[2], '1')
 end
 return 1
@@ -69,21 +65,21 @@ return 1
 // fingerprint are kept from the current value, so the lease still reports it to duplicates.
 const RENEW_LUA = `
 local value = redis.call('GET', KEYS[1])
-if not value or string.sub(value, 1, 37) ~= ARGV[1] then
+if not value or string.sub(value, 1, ${PREFIX_END}) ~= ARGV[1] then
   return 0
 end
-local bar = string.find(value, '|', 39, true)
-redis.call('SET', KEYS[1], string.sub(value, 1, 38) .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
+local bar = string.find(value, '|', ${WAITERS_BYTE + 1}, true)
+redis.call('SET', KEYS[1], string.sub(value, 1, ${WAITERS_BYTE}) .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
 return 1
 `
 
 // No ARGV. A waiter marks the lease so that its end is published; 0 when there is no lease (any
-// more): the waiter then has nothing to wait for. SETRANGE keeps the key's expiry.
+// more): the waiter then has nothing to wait for. SETRANGE (which counts from 0) keeps the expiry.
 const MARK_WAITING_LUA = `
 if redis.call('GETRANGE', KEYS[1], 0, 0) ~= 'L' then
   return 0
 end
-redis.call('SETRANGE', KEYS[1], 37, 'W')
+redis.call('SETRANGE', KEYS[1], ${WAITERS_BYTE - 1}, 'W')
 return 1
 `
 
@@ -114,23 +110,19 @@ class Script {
   }
 
   async run (client: ScriptingClient, key: string, ...args: ScriptArg[]): Promise<number> {
-    if (!this.#loaded.has(client)) {
-      this.#loaded.add(client)
-      return Number(await client.eval(this.#lua, 1, key, ...args))
+    if (this.#loaded.has(client)) {
+      try {
+        return Number(await client.evalsha(this.#sha, 1, key, ...args))
+      } catch (error) {
+        if (!(error instanceof Error) || !error.message.startsWith('NOSCRIPT')) throw error
+      }
     }
-    let reply
-    try {
-      reply = await client.evalsha(this.#sha, 1, key, ...args)
-    } catch (error) {
-      if (!(error instanceof Error) || !error.message.startsWith('NOSCRIPT')) throw error
-      reply = await client.eval(this.#lua, 1, key, ...args)
-    }
-    return Number(reply)
+    this.#loaded.add(client)
+    return Number(await client.eval(this.#lua, 1, key, ...args))
   }
 }
 
-const COMPLETE = new Script(COMPLETE_LUA)
-const RELEASE = new Script(RELEASE_LUA)
+const END_LEASE = new Script(END_LEASE_LUA)
 const RENEW = new Script(RENEW_LUA)
 const MARK_WAITING = new Script(MARK_WAITING_LUA)
 
@@ -163,7 +155,7 @@ function ttl (ms: number, what: string): number {
   throw new RangeError(`RedisStorage: ${what} must be a number of milliseconds from 1 to ${MAX_TTL}, got ${ms}`)
 }
 
-/** What the scripts compare a lease's first 37 bytes with. */
+/** What the scripts compare a lease's first LEASE_PREFIX_LENGTH bytes with. */
 function leasePrefix (token: string): string {
   return 'L' + token.slice(0, FENCE_LENGTH)
 }
@@ -193,7 +185,7 @@ function decodeBegin (value: Buffer | null, fence: string, fingerprint: string):
 }
 
 /**
- * The whole entry value, as COMPLETE_LUA stores it. A string when the body is valid UTF-8 (a
+ * The whole entry value, as END_LEASE_LUA stores it. A string when the body is valid UTF-8 (a
  * JSON body always is): it encodes back to the same bytes, and ioredis writes a command of
  * strings in one piece, where a Buffer argument costs it several copies (measured: its command
  * encoding took five times as long). Any other body goes as bytes.
@@ -201,12 +193,7 @@ function decodeBegin (value: Buffer | null, fence: string, fingerprint: string):
 function encodeEntry (fingerprint: string, response: StoredResponse): string | Buffer {
   const head = JSON.stringify([response.statusCode, response.contentType, response.headers] satisfies Head)
   const text = `C${Buffer.byteLength(fingerprint)}|${fingerprint}${Buffer.byteLength(head)}|${head}`
-  if (isUtf8(response.body)) return text + response.body.toString('utf8')
-  const size = Buffer.byteLength(text)
-  const entry = Buffer.allocUnsafe(size + response.body.length)
-  entry.write(text, 0, 'utf8')
-  response.body.copy(entry, size)
-  return entry
+  return isUtf8(response.body) ? text + response.body.toString('utf8') : Buffer.concat([Buffer.from(text), response.body])
 }
 
 /**
@@ -261,12 +248,12 @@ export class RedisStorage implements IdempotencyStorage {
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const redisKey = this.redisKey(key)
     const entry = encodeEntry(token.slice(FENCE_LENGTH), response)
-    return await COMPLETE.run(this.#client, redisKey, leasePrefix(token), entry, ttl(expiration, 'expiration'), this.#channel(redisKey)) === 1
+    return await END_LEASE.run(this.#client, redisKey, leasePrefix(token), this.#channel(redisKey), entry, ttl(expiration, 'expiration')) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
     const redisKey = this.redisKey(key)
-    return await RELEASE.run(this.#client, redisKey, leasePrefix(token), this.#channel(redisKey)) === 1
+    return await END_LEASE.run(this.#client, redisKey, leasePrefix(token), this.#channel(redisKey)) === 1
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
