@@ -31,29 +31,43 @@ export function snapshotResponse (reply: FastifyReply, excludedHeaders: Readonly
   return { statusCode: reply.statusCode, contentType: contentType === undefined ? null : String(contentType), headers, body }
 }
 
-/**
- * Pass a stream through unchanged while keeping a copy of up to `maxBytes` of it. `settle` is
- * called exactly once: with the whole body after the last chunk, or with `null` as soon as the
- * body outgrows `maxBytes`, or when the stream fails or the client goes away. The end of the
- * response waits for it either way, so the store is up to date before the client sees the end.
- */
-export function captureStream (source: Readable, maxBytes: number, settle: (body: Buffer | null, why: 'too-large' | 'interrupted') => Promise<void>): Transform {
+/** What a stream capture kept: the whole body, or nothing and why. */
+export type Captured = { body: Buffer } | { body: null, reason: 'too-large' | 'interrupted' }
+
+export interface StreamCapture {
+  /** What to send instead of the source: the same bytes. */
+  readonly stream: Transform
+  /**
+   * Resolves once: with the whole body after the last chunk, or with `null` as soon as the body
+   * outgrows `maxBytes`, or when the stream fails or the client goes away.
+   */
+  readonly captured: Promise<Captured>
+  /** Hold the end of the response until `settled`: the store is up to date before the client sees the end. */
+  holdEndUntil: (settled: Promise<unknown>) => void
+}
+
+/** Pass a stream through unchanged while keeping a copy of up to `maxBytes` of it. */
+export function captureStream (source: Readable, maxBytes: number): StreamCapture {
   let chunks: Buffer[] | null = []
   let size = 0
-  let settling: Promise<void> | null = null
-  // Later calls get the first call's promise, so the response's end still waits for a release
-  // that began mid-stream (a client retrying at once then finds the key free).
-  const settleOnce = (body: Buffer | null, why: 'too-large' | 'interrupted'): Promise<void> => {
-    settling ??= settle(body, why)
-    return settling
+  let resolveCaptured!: (captured: Captured) => void
+  let done = false
+  const captured = new Promise<Captured>((resolve) => { resolveCaptured = resolve })
+  const finish = (result: Captured): void => {
+    if (done) return
+    done = true
+    resolveCaptured(result)
   }
+  // Until told otherwise the end waits for the capture only; a settle that began mid-stream (the
+  // body outgrew the limit) is waited for too, so a client retrying at once finds the key free.
+  let gate: Promise<unknown> = captured
   const tee = new Transform({
     transform (chunk: Buffer, _encoding, callback) {
       if (chunks !== null) {
         size += chunk.length
         if (size > maxBytes) {
           chunks = null
-          void settleOnce(null, 'too-large')
+          finish({ body: null, reason: 'too-large' })
         } else {
           chunks.push(chunk)
         }
@@ -61,11 +75,12 @@ export function captureStream (source: Readable, maxBytes: number, settle: (body
       callback(null, chunk)
     },
     flush (callback) {
-      settleOnce(chunks === null ? null : Buffer.concat(chunks, size), 'too-large').then(() => callback(), () => callback())
+      finish(chunks === null ? { body: null, reason: 'too-large' } : { body: Buffer.concat(chunks, size) })
+      gate.then(() => callback(), () => callback())
     }
   })
-  tee.once('close', () => { void settleOnce(null, 'interrupted') })
+  tee.once('close', () => { finish({ body: null, reason: 'interrupted' }) })
   // pipeline carries a source error into `tee` and a destroyed `tee` (client gone) back to the source.
   pipeline(source, tee, () => {})
-  return tee
+  return { stream: tee, captured, holdEndUntil: (settled) => { gate = settled } }
 }

@@ -4,9 +4,10 @@
  */
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
-import { createRouteHooks, kState, type IdempotencyRequestContext } from './lifecycle.js'
+import { createRouteHooks, kState, type IdempotencyRequestContext } from './hooks.js'
 import { documentRoute } from './openapi.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
+import { MemoryStorage } from './storage/memory.js'
 
 declare module 'fastify' {
   interface FastifyContextConfig {
@@ -30,31 +31,34 @@ function appendHook<T> (existing: T | T[] | undefined, hook: T, replaced: unknow
 }
 
 const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) => {
-  const base = normalizeOptions(options)
+  // Without a store in the options, the plugin makes the default one, and so owns it: it closes it
+  // with the server. A store given in the options belongs to whoever made it.
+  const ownStorage = options.storage === undefined ? new MemoryStorage() : null
+  const settings = normalizeOptions(options, options.storage ?? ownStorage!)
   // A second registration (in another encapsulated context, say) shares the decoration.
   if (!fastify.hasRequestDecorator(kState as unknown as string)) {
     fastify.decorateRequest(kState as unknown as string, null)
     fastify.decorateRequest('idempotency', null)
   }
 
-  // Every route's lease renewal, stopped when the server closes.
-  const renewals: Array<{ stop: () => void }> = []
+  // Every guarded route's hooks, whose lease renewal stops when the server closes.
+  const guarded: Array<{ stop: () => void }> = []
 
   fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
     if (config === undefined) return
     const method = Array.isArray(routeOptions.method) ? routeOptions.method.join(',') : routeOptions.method
-    const settings = routeSettings(base, config, `${method} ${routeOptions.url}`)
-    if (settings === null) return
-    const hooks = createRouteHooks(settings)
-    renewals.push(hooks.renewal)
+    const route = routeSettings(settings, config, `${method} ${routeOptions.url}`)
+    if (route === null) return
+    const hooks = createRouteHooks(settings, route, routeOptions.url)
+    guarded.push(hooks)
     // Only when @fastify/swagger is there to read it: a header schema also means validation work.
-    if (this.hasDecorator('swagger')) documentRoute(routeOptions, settings)
+    if (this.hasDecorator('swagger')) documentRoute(routeOptions, { ...settings, ...route })
     // Registered again in a child context, the innermost registration (whose onRoute runs last)
     // replaces the outer one's hooks: a route must never go through the plugin twice.
-    const route = routeOptions as GuardedRoute
-    const replaced = route[kRouteHooks] ?? []
-    route[kRouteHooks] = [hooks.onRequest, hooks.preHandler, hooks.onSend, hooks.onError]
+    const guardedRoute = routeOptions as GuardedRoute
+    const replaced = guardedRoute[kRouteHooks] ?? []
+    guardedRoute[kRouteHooks] = [hooks.onRequest, hooks.preHandler, hooks.onSend, hooks.onError]
     // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
     // and a replay is never served to a request they would have refused.
     routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest, replaced) as RouteOptions['onRequest']
@@ -64,9 +68,8 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   })
 
   fastify.addHook('onClose', async () => {
-    for (const renewal of renewals) renewal.stop()
-    // Close only a store the plugin created itself.
-    if (options.storage === undefined) await base.storage.close?.()
+    for (const hooks of guarded) hooks.stop()
+    await ownStorage?.close()
   })
 }
 
@@ -77,7 +80,7 @@ export default idempotency
 export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
 export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
 export type { FingerprintOptions } from './fingerprint.js'
-export type { IdempotencyRequestContext } from './lifecycle.js'
+export type { IdempotencyRequestContext } from './hooks.js'
 export {
   IdempotencyError,
   IdempotencyFingerprintError,

@@ -6,7 +6,10 @@
  * (an application may share one schema object between routes).
  */
 import type { RouteOptions } from 'fastify'
-import type { RouteSettings } from './options.js'
+import type { PluginSettings, RouteSettings } from './options.js'
+
+/** What documenting a route needs to know of its settings. */
+type DocumentedSettings = Pick<PluginSettings, 'headerName' | 'maxKeyLength' | 'replayHeader'> & Pick<RouteSettings, 'required' | 'mismatchStatusCode' | 'failOpen'>
 
 type Schema = Record<string, unknown>
 
@@ -31,7 +34,7 @@ function isPlainObjectSchema (schema: unknown): schema is Schema {
   return schema !== null && typeof schema === 'object' && !Array.isArray(schema)
 }
 
-function withKeyHeader (headers: unknown, settings: RouteSettings): unknown {
+function withKeyHeader (headers: unknown, settings: DocumentedSettings): unknown {
   const name = settings.headerName
   const property = {
     type: 'string',
@@ -47,7 +50,7 @@ function withKeyHeader (headers: unknown, settings: RouteSettings): unknown {
   return { ...headers, properties: { ...properties, [name]: property }, ...(required.length > 0 ? { required: [...existing, ...required] } : {}) }
 }
 
-function withResponses (response: unknown, settings: RouteSettings): unknown {
+function withResponses (response: unknown, settings: DocumentedSettings): unknown {
   if (response !== undefined && !isPlainObjectSchema(response)) return response
   const responses: Schema = { ...response }
   const replayHeaders = settings.replayHeader === null
@@ -72,7 +75,7 @@ function withResponses (response: unknown, settings: RouteSettings): unknown {
 }
 
 /** Add the route's idempotency contract to its schema, for @fastify/swagger to render. */
-export function documentRoute (routeOptions: RouteOptions, settings: RouteSettings): void {
+export function documentRoute (routeOptions: RouteOptions, settings: DocumentedSettings): void {
   const schema: Schema = { ...routeOptions.schema }
   schema.headers = withKeyHeader(schema.headers, settings)
   schema.response = withResponses(schema.response, settings)

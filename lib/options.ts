@@ -6,7 +6,6 @@ import { parse as parseDuration } from '@lukeed/ms'
 import { Ajv, type ErrorObject } from 'ajv'
 import type { FastifyRequest } from 'fastify'
 import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
-import { MemoryStorage } from './storage/memory.js'
 import type { IdempotencyStorage, TransactionalStorage } from './storage/types.js'
 
 /** What a route may set in `config.idempotency` (and what the plugin options set for every route). */
@@ -62,14 +61,24 @@ export interface IdempotencyOptions extends IdempotencyRouteOptions {
   excludeHeaders?: string[]
 }
 
-/** Everything a guarded route needs, normalized once. */
-export interface RouteSettings {
+/** What the plugin's options fix for every route, normalized once at register time. */
+export interface PluginSettings {
+  /** The store every route of this registration uses. */
   storage: IdempotencyStorage
   /** The key header's name, lower-cased, for lookups. */
   headerName: string
   /** The same as the user wrote it, for messages. */
   headerLabel: string
   maxKeyLength: number
+  replayHeader: string | null
+  /** Response headers never stored nor replayed, lower-cased. */
+  excludedHeaders: ReadonlySet<string>
+  /** The route settings a route with `config.idempotency: true` gets, and an object overrides. */
+  defaults: RouteSettings
+}
+
+/** What may differ from route to route, normalized once when the route is added. */
+export interface RouteSettings {
   required: boolean
   expiration: number
   lockTimeout: number
@@ -85,8 +94,6 @@ export interface RouteSettings {
   /** Milliseconds a duplicate of an in-flight request waits; 0 answers 409 at once. */
   waitTimeout: number
   scope: ((request: FastifyRequest) => string | Promise<string>) | null
-  replayHeader: string | null
-  excludedHeaders: ReadonlySet<string>
 }
 
 const DEFAULT_WAIT_TIMEOUT = 10_000
@@ -225,38 +232,42 @@ function cacheableSet (base: Iterable<number>, add: number[] = [], remove: numbe
   return set
 }
 
-/** Normalize the plugin options once, at register time. Throws a TypeError naming the problem. */
-export function normalizeOptions (options: IdempotencyOptions = {}): RouteSettings {
+/**
+ * Normalize the plugin options once, at register time, for `storage` (the one given in the
+ * options, or the default store the plugin's entry created). Throws a TypeError naming the problem.
+ */
+export function normalizeOptions (options: IdempotencyOptions, storage: IdempotencyStorage): PluginSettings {
   const context = 'options'
   check(validateOptions(options), validateOptions.errors, context, 'options')
   checkScope(options.scope, context)
-  if (options.storage !== undefined) checkStorage(options.storage)
+  checkStorage(storage)
   checkWaitTimeout(options.wait === true, options.waitTimeout, context)
   const replayHeader = options.replayHeader ?? 'Idempotent-Replayed'
   const excluded = new Set(ALWAYS_EXCLUDED_HEADERS)
   if (options.replaySetCookie !== true) excluded.add('set-cookie')
   if (replayHeader !== false) excluded.add(replayHeader.toLowerCase())
   for (const name of options.excludeHeaders ?? []) excluded.add(name.toLowerCase())
-  const storage = options.storage ?? new MemoryStorage()
   return {
     storage,
     headerName: (options.headerName ?? 'Idempotency-Key').toLowerCase(),
     headerLabel: options.headerName ?? 'Idempotency-Key',
     maxKeyLength: options.maxKeyLength ?? 255,
-    required: options.required ?? false,
-    expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),
-    lockTimeout: toMilliseconds(options.lockTimeout ?? '60s', 'lockTimeout', context),
-    cacheable: cacheableSet(DEFAULT_CACHEABLE_STATUS_CODES, options.addCacheableStatusCodes, options.removeCacheableStatusCodes),
-    fingerprint: normalizeFingerprint(options.fingerprint),
-    fingerprintOptions: options.fingerprint ?? {},
-    maxResponseBytes: options.maxResponseBytes ?? 1024 * 1024,
-    mismatchStatusCode: options.mismatchStatusCode ?? 409,
-    failOpen: options.failOpen ?? false,
-    waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
-    transaction: checkTransaction(options.transaction ?? false, storage, context),
-    scope: options.scope ?? null,
     replayHeader: replayHeader === false ? null : replayHeader,
-    excludedHeaders: excluded
+    excludedHeaders: excluded,
+    defaults: {
+      required: options.required ?? false,
+      expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),
+      lockTimeout: toMilliseconds(options.lockTimeout ?? '60s', 'lockTimeout', context),
+      cacheable: cacheableSet(DEFAULT_CACHEABLE_STATUS_CODES, options.addCacheableStatusCodes, options.removeCacheableStatusCodes),
+      fingerprint: normalizeFingerprint(options.fingerprint),
+      fingerprintOptions: options.fingerprint ?? {},
+      maxResponseBytes: options.maxResponseBytes ?? 1024 * 1024,
+      mismatchStatusCode: options.mismatchStatusCode ?? 409,
+      failOpen: options.failOpen ?? false,
+      waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
+      transaction: checkTransaction(options.transaction ?? false, storage, context),
+      scope: options.scope ?? null
+    }
   }
 }
 
@@ -279,8 +290,9 @@ function routeWaitTimeout (base: RouteSettings, route: IdempotencyRouteOptions, 
  * The settings of one route, from the plugin's and its `config.idempotency`; `null` when the
  * route is not guarded. Throws a TypeError naming the route and the problem.
  */
-export function routeSettings (base: RouteSettings, config: unknown, routeName: string): RouteSettings | null {
+export function routeSettings (plugin: PluginSettings, config: unknown, routeName: string): RouteSettings | null {
   if (config === false) return null
+  const base = plugin.defaults
   if (config === true) return base
   const context = `config.idempotency of route ${routeName}`
   if (config === null || typeof config !== 'object' || Array.isArray(config)) {
@@ -291,7 +303,6 @@ export function routeSettings (base: RouteSettings, config: unknown, routeName: 
   checkScope(route.scope, context)
   const fingerprintOptions = { ...base.fingerprintOptions, ...route.fingerprint }
   return {
-    ...base,
     required: route.required ?? base.required,
     expiration: route.expiration === undefined ? base.expiration : toMilliseconds(route.expiration, 'expiration', context),
     lockTimeout: route.lockTimeout === undefined ? base.lockTimeout : toMilliseconds(route.lockTimeout, 'lockTimeout', context),
@@ -302,7 +313,7 @@ export function routeSettings (base: RouteSettings, config: unknown, routeName: 
     mismatchStatusCode: route.mismatchStatusCode ?? base.mismatchStatusCode,
     failOpen: route.failOpen ?? base.failOpen,
     waitTimeout: routeWaitTimeout(base, route, context),
-    transaction: checkTransaction(route.transaction ?? base.transaction, base.storage, context),
+    transaction: checkTransaction(route.transaction ?? base.transaction, plugin.storage, context),
     scope: route.scope ?? base.scope
   }
 }

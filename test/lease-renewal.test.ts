@@ -1,5 +1,5 @@
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest'
-import { LeaseRenewal, type RenewedLease } from '../lib/lease-renewal.js'
+import { LeaseRenewal, type RenewedLease } from '../lib/engine/lease-renewal.js'
 
 interface TestLease extends RenewedLease { name: string }
 

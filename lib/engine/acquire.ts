@@ -1,0 +1,107 @@
+/**
+ * The decision for a request with a key: replay, refuse, wait, or run. One atomic `begin` on the
+ * store answers it; with `wait`, a duplicate of a request in flight waits for it to end and asks
+ * again.
+ */
+import { setTimeout as sleep } from 'node:timers/promises'
+import {
+  IdempotencyFingerprintMismatchError,
+  IdempotencyRequestInProgressError,
+  IdempotencyStoreUnavailableError,
+  type IdempotencyError
+} from '../errors.js'
+import type { StoredResponse, TransactionalStorage } from '../storage/types.js'
+import type { RequestState } from './request-state.js'
+import type { RouteEngine } from './route-engine.js'
+
+export type Acquisition =
+  /** The request holds the lease: run the handler. */
+  | { outcome: 'run' }
+  /** Answer with this stored response; the handler does not run. */
+  | { outcome: 'replay', response: StoredResponse }
+  /** Answer with this error; the handler does not run. */
+  | { outcome: 'refuse', error: IdempotencyError }
+  /** The store is unreachable and the route fails open: run the handler without protection. */
+  | { outcome: 'unprotected' }
+
+const RUN: Acquisition = { outcome: 'run' }
+const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
+
+export async function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string): Promise<Acquisition> {
+  const { storage, settings, reporter } = engine
+  const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
+  state.started = performance.now()
+  for (let attempt = 0; ; attempt++) {
+    let result
+    try {
+      result = await storage.begin(storageKey, fingerprint, settings.lockTimeout)
+    } catch (error) {
+      if (settings.failOpen) {
+        reporter.report(state, 'store-error', { phase: 'begin', failOpen: true, error }, 'warn', 'idempotency store unavailable: running the handler without protection (failOpen)')
+        return UNPROTECTED
+      }
+      reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency store unavailable: answering 503')
+      return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
+    }
+    if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
+    if (result.state === 'acquired') {
+      state.hold(storageKey, result.token)
+      if (settings.transaction) {
+        const refused = await openTransaction(engine, state)
+        if (refused !== null) return refused
+      }
+      engine.renewal.hold(state)
+      return RUN
+    }
+    // A different request under this key is refused whether the first one finished or not.
+    if (result.fingerprint !== fingerprint) {
+      reporter.report(state, 'mismatch', {}, 'debug', 'idempotency key reused with another fingerprint')
+      return { outcome: 'refuse', error: new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode) }
+    }
+    if (result.state === 'completed') {
+      state.replay(result.response)
+      reporter.report(state, 'replay', { statusCode: result.response.statusCode }, 'debug', 'idempotency replay')
+      return { outcome: 'replay', response: result.response }
+    }
+    const now = Date.now()
+    if (now >= waitUntil) {
+      reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
+      return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - now) / 1000) }
+    }
+    await waitForLease(engine, storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
+  }
+}
+
+/**
+ * Wait for the lease holder to finish: on the store's own signal where it has one, otherwise by
+ * polling with a back-off (25 ms doubling to 400 ms) that keeps the store's load bounded.
+ */
+async function waitForLease ({ storage }: RouteEngine, storageKey: string, timeout: number, attempt: number): Promise<void> {
+  if (timeout <= 0) return
+  if (storage.waitFor !== undefined) {
+    try {
+      await storage.waitFor(storageKey, timeout)
+      return
+    } catch {
+      // The store cannot wait right now (say, its subscriber connection is down): poll instead.
+    }
+  }
+  await sleep(Math.min(timeout, 25 * 2 ** Math.min(attempt, 4)))
+}
+
+/**
+ * Transaction mode: the lease is already committed on its own (so duplicates see the request in
+ * flight); the handler's writes and the stored response go into this transaction. `null` when it
+ * is open, the refusal when it could not be opened (the lease is given back).
+ */
+async function openTransaction ({ storage, reporter }: RouteEngine, state: RequestState): Promise<Acquisition | null> {
+  try {
+    state.transaction = await (storage as TransactionalStorage).transaction()
+    return null
+  } catch (error) {
+    state.settle()
+    reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')
+    await storage.release(state.storageKey, state.token).catch(() => {})
+    return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
+  }
+}

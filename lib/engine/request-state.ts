@@ -1,0 +1,78 @@
+/**
+ * What the plugin knows about one guarded request that carries a key, and the legal moves of its
+ * phase:
+ *
+ *   idle ──hold()──> held ──settle()──> settling
+ *     └───replay()──> replayed
+ *
+ * `idle` covers a request that was refused (mismatch, in progress, store down) too: nothing
+ * happens to it after that. Only a request that holds the lease is ever settled, and only once.
+ */
+import type { StorageTransaction, StoredResponse } from '../storage/types.js'
+import type { RenewedLease } from './lease-renewal.js'
+import type { Logger } from './report.js'
+
+export type Phase = 'idle' | 'held' | 'settling' | 'replayed'
+
+export class RequestState implements RenewedLease {
+  /** The request's Idempotency-Key (unquoted). */
+  readonly key: string
+  /** The request's HTTP method, for events. */
+  readonly method: string
+  readonly log: Logger
+  #phase: Phase = 'idle'
+  /** performance.now() when the plugin first went to the store for this request. */
+  started = 0
+  /** The key as the store sees it (see store-key.ts); set by `hold`. */
+  storageKey = ''
+  /** The fencing token of the lease; set by `hold`. */
+  token = ''
+  /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
+  failed = false
+  /** Transaction mode: the transaction the handler writes through, committed with the stored response. */
+  transaction: StorageTransaction | null = null
+  /** The stored response this request is answered with; set by `replay`. */
+  replayed: StoredResponse | null = null
+
+  // Kept by LeaseRenewal while the lease is renewed.
+  renewing = false
+  renewedAt = 0
+  previousHeld: RenewedLease | null = null
+  nextHeld: RenewedLease | null = null
+
+  constructor (key: string, method: string, log: Logger) {
+    this.key = key
+    this.method = method
+    this.log = log
+  }
+
+  get phase (): Phase {
+    return this.#phase
+  }
+
+  /** The lease is ours: the handler may run. */
+  hold (storageKey: string, token: string): void {
+    this.#expect('idle', 'hold')
+    this.#phase = 'held'
+    this.storageKey = storageKey
+    this.token = token
+  }
+
+  /** A stored response answers this request. */
+  replay (response: StoredResponse): void {
+    this.#expect('idle', 'replay')
+    this.#phase = 'replayed'
+    this.replayed = response
+  }
+
+  /** Begin storing or releasing; `false` when that has begun already (or there is no lease). */
+  settle (): boolean {
+    if (this.#phase !== 'held') return false
+    this.#phase = 'settling'
+    return true
+  }
+
+  #expect (phase: Phase, move: string): void {
+    if (this.#phase !== phase) throw new Error(`fastify-idempotency: cannot ${move} a request in phase ${this.#phase}`)
+  }
+}

@@ -1,0 +1,35 @@
+/**
+ * What the engine needs for one guarded route: its store, its settings, where it reports, and the
+ * timer that keeps its running handlers' leases alive. Built once per route, when it is added.
+ */
+import type { RouteSettings } from '../options.js'
+import type { IdempotencyStorage } from '../storage/types.js'
+import { LeaseRenewal } from './lease-renewal.js'
+import { Reporter } from './report.js'
+import type { RequestState } from './request-state.js'
+
+export interface RouteEngine {
+  readonly storage: IdempotencyStorage
+  readonly settings: RouteSettings
+  readonly reporter: Reporter
+  /** Renews the lease of every request of this route whose handler is running. */
+  readonly renewal: LeaseRenewal<RequestState>
+}
+
+export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string): RouteEngine {
+  const reporter = new Reporter(storage.constructor.name, route)
+  const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, (state) => { renewLease(storage, settings, reporter, state) })
+  return { storage, settings, reporter, renewal }
+}
+
+/** One renewal: the store extends the lease, or says it was lost. */
+function renewLease (storage: IdempotencyStorage, settings: RouteSettings, reporter: Reporter, state: RequestState): void {
+  // Through a promise, so a custom store that throws instead of rejecting cannot throw out of the
+  // shared timer (which would end the process).
+  Promise.resolve().then(() => storage.renew(state.storageKey, state.token, settings.lockTimeout)).then((held) => {
+    if (held || state.phase !== 'held') return
+    reporter.report(state, 'lease-lost', { phase: 'renew' }, 'warn', 'idempotency lease lost while the handler was running')
+  }, (error: unknown) => {
+    reporter.report(state, 'store-error', { phase: 'renew', error }, 'warn', 'idempotency lease renewal failed')
+  })
+}

@@ -1,0 +1,92 @@
+/**
+ * The end of a request that held the lease: store its response (`complete`) or give the key back
+ * (`release`); in transaction mode, commit the handler's writes with the stored response or roll
+ * both back. Never throws: the store's failures are reported, and the outcome says whether the
+ * client may still receive the response it is about to get.
+ */
+import type { IdempotencyEvent } from '../diagnostics.js'
+import type { StorageTransaction, StoredResponse } from '../storage/types.js'
+import type { RequestState } from './request-state.js'
+import type { RouteEngine } from './route-engine.js'
+
+/** Why an executed request's response was not stored. */
+export type NotStoredReason = NonNullable<IdempotencyEvent['reason']>
+
+export interface Settlement {
+  /** The response is stored: a retry replays it. */
+  stored: boolean
+  /** Why not, when it is not. */
+  reason?: NotStoredReason
+  /**
+   * Whether the client may receive the response as a success. Only transaction mode says no: a
+   * response that was to be kept and was not (lease lost, commit failed) had its writes rolled back.
+   */
+  deliverable: boolean
+}
+
+const STORED: Settlement = { stored: true, deliverable: true }
+
+/**
+ * Settle a request whose state was moved to `settling` (`state.settle()`): `response` to store,
+ * or `null` to drop the lease for `reason`. `statusCode` is what the client gets, for events.
+ */
+export async function settle (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
+  engine.renewal.drop(state)
+  const settlement = state.transaction === null
+    ? await settleAlone(engine, state, response, reason)
+    : await settleTransaction(engine, state, state.transaction, response, reason)
+  reportExecuted(engine, state, statusCode, settlement)
+  return settlement
+}
+
+async function settleAlone ({ storage, settings, reporter }: RouteEngine, state: RequestState, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
+  if (response === null) {
+    try {
+      await storage.release(state.storageKey, state.token)
+    } catch (error) {
+      reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but the key stays locked until its lease lapses')
+    }
+    return { stored: false, reason, deliverable: true }
+  }
+  try {
+    if (await storage.complete(state.storageKey, state.token, response, settings.expiration)) return STORED
+    reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response was stored: this response was not stored')
+    return { stored: false, reason: 'lease-lost', deliverable: true }
+  } catch (error) {
+    reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but not stored')
+    return { stored: false, reason: 'store-error', deliverable: true }
+  }
+}
+
+/** Commit the handler's writes with the stored response, or roll both back and free the key. */
+async function settleTransaction ({ storage, settings, reporter }: RouteEngine, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, why: NotStoredReason): Promise<Settlement> {
+  let reason: NotStoredReason | undefined = response === null ? why : undefined
+  try {
+    if (response !== null && await transaction.complete(state.storageKey, state.token, response, settings.expiration)) {
+      await transaction.commit()
+    } else {
+      if (response !== null) {
+        reason = 'lease-lost'
+        reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before commit: the transaction was rolled back')
+      }
+      await transaction.rollback()
+    }
+  } catch (error) {
+    reason = response === null ? why : 'store-error'
+    reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency transaction failed: rolled back')
+    await transaction.rollback().catch(() => {})
+  }
+  if (reason === undefined) return STORED
+  await storage.release(state.storageKey, state.token).catch((error: unknown) => {
+    reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency lease could not be released: the key stays locked until its lease lapses')
+  })
+  // An error answer rolled back is what the client expects; a success whose writes were rolled
+  // back (lease lost, commit failed, or a body that cannot be stored) is not.
+  const deliverable = reason === 'not-cacheable' || reason === 'failed' || reason === 'hijacked'
+  return { stored: false, reason, deliverable }
+}
+
+/** The handler ran: say whether its response was stored, and if not, why. */
+function reportExecuted ({ reporter }: RouteEngine, state: RequestState, statusCode: number, settlement: Settlement): void {
+  reporter.report(state, 'execute', settlement.stored ? { statusCode, stored: true } : { statusCode, stored: false, reason: settlement.reason })
+}

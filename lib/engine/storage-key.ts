@@ -1,0 +1,37 @@
+/**
+ * The key a store sees for a request: the one key policy, so that every store (and anyone's custom
+ * store) accepts whatever the plugin accepts.
+ *
+ * Without a scope it is the client's key itself (1 to `maxKeyLength` printable ASCII characters);
+ * with one, `<scope>\n<key>` (a key never contains a line feed, so the last one separates the two).
+ * A scope is the application's own string and may be long or not well-formed Unicode (a lone
+ * surrogate, which UTF-8 cannot encode: two different scopes would become one). Such a key, or
+ * one longer than MAX_STORAGE_KEY_BYTES in UTF-8, is replaced by a hash of it:
+ * `\u0000sha256:<base64url digest>`. It cannot equal a key that was not hashed: an unscoped key
+ * is printable ASCII (no NUL), and a scoped one contains a line feed (a digest never does).
+ */
+import { hash } from 'node:crypto'
+
+/**
+ * Longest storage key passed on unhashed, in UTF-8 bytes: every store of this package takes it
+ * (KnexStorage's key column holds 1024), and it keeps Redis key names short.
+ */
+export const MAX_STORAGE_KEY_BYTES = 512
+
+/** Marks a hashed storage key. */
+export const HASHED_KEY_PREFIX = '\u0000sha256:'
+
+/** In `u` mode a well-formed pair reads as one code point, so this finds lone surrogates only. */
+const LONE_SURROGATE = /\p{Surrogate}/u
+
+export function storageKey (key: string, scope: string | null): string {
+  // An unscoped key is ASCII: its length is its size in bytes.
+  if (scope === null && key.length <= MAX_STORAGE_KEY_BYTES) return key
+  const composed = scope === null ? key : `${scope}\n${key}`
+  // A string of n UTF-16 units takes n to 3n bytes in UTF-8: count them only when it may matter.
+  const fits = composed.length * 3 <= MAX_STORAGE_KEY_BYTES ||
+    (composed.length <= MAX_STORAGE_KEY_BYTES && Buffer.byteLength(composed) <= MAX_STORAGE_KEY_BYTES)
+  if (fits && !LONE_SURROGATE.test(composed)) return composed
+  // UTF-16 code units, so lone surrogates hash apart.
+  return HASHED_KEY_PREFIX + hash('sha256', Buffer.from(composed, 'utf16le'), 'base64url')
+}

@@ -1,0 +1,195 @@
+/**
+ * The Fastify hooks of a guarded route: the only code that touches `request`, `reply` and `done`.
+ * What to do is decided by the engine (engine/acquire.ts, engine/settle.ts); these hooks turn
+ * HTTP into its inputs and its outcomes back into HTTP:
+ *
+ *   onRequest   read and validate the key (400 before anything else happens)
+ *   preHandler  fingerprint, scope, then `acquire`: replay, refuse, or run the handler
+ *   onSend      capture the response, then `settle`: store it, or give the key back
+ *   'close'     a hijacked reply, which never reaches onSend, is settled there
+ *
+ * Hooks are created per route from that route's settings, so nothing here looks options up.
+ */
+import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
+import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
+import { acquire } from './engine/acquire.js'
+import { RequestState } from './engine/request-state.js'
+import { createRouteEngine } from './engine/route-engine.js'
+import { settle, type NotStoredReason } from './engine/settle.js'
+import { storageKey } from './engine/storage-key.js'
+import { IdempotencyFingerprintError, IdempotencyKeyMissingError, IdempotencyStoreUnavailableError } from './errors.js'
+import { computeFingerprint } from './fingerprint.js'
+import { readIdempotencyKey } from './key.js'
+import type { PluginSettings, RouteSettings } from './options.js'
+import type { StoredResponse } from './storage/types.js'
+
+/** Where the per-request state lives (a request decoration, so request objects keep one shape). */
+export const kState = Symbol('fastify-idempotency.state')
+
+/** What a guarded request exposes to its handler as `request.idempotency`. */
+export interface IdempotencyRequestContext {
+  /** The request's Idempotency-Key (unquoted). */
+  readonly key: string
+  /**
+   * Transaction mode: the database transaction to write through (a knex transaction with
+   * KnexStorage; `transactionOf(request)` from 'fastify-idempotency/knex' returns it typed).
+   * `undefined` otherwise.
+   */
+  readonly transaction: unknown
+}
+
+type GuardedRequest = FastifyRequest & { [kState]: RequestState | null, idempotency: IdempotencyRequestContext | null }
+
+export interface RouteHooks {
+  onRequest: onRequestHookHandler
+  preHandler: preHandlerAsyncHookHandler
+  onSend: onSendHookHandler
+  onError: onErrorHookHandler
+  /** Stop renewing this route's leases (the server is closing). */
+  stop: () => void
+}
+
+export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, route: string): RouteHooks {
+  const engine = createRouteEngine(plugin.storage, settings, route)
+  const { headerName, headerLabel, maxKeyLength, excludedHeaders } = plugin
+
+  function onRequest (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
+    let key
+    try {
+      key = readIdempotencyKey(request.headers[headerName], headerLabel, maxKeyLength)
+    } catch (error) {
+      done(error as Error)
+      return
+    }
+    if (key === undefined) {
+      done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
+      return
+    }
+    const guarded = request as GuardedRequest
+    guarded.idempotency = { key, transaction: undefined }
+    guarded[kState] = new RequestState(key, request.method, request.log)
+    done()
+  }
+
+  async function preHandler (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | undefined> {
+    const guarded = request as GuardedRequest
+    const state = guarded[kState]
+    if (state === null) return undefined
+    let fingerprint
+    try {
+      fingerprint = computeFingerprint(request, settings.fingerprint)
+    } catch (error) {
+      // Canonicalizing recurses: JSON nested deep enough overflows the stack. A 400, not a 500.
+      throw new IdempotencyFingerprintError(state.key, error)
+    }
+    // Without a scope there is nothing to await: no promise on the path of every request.
+    const scope = settings.scope === null ? null : await resolveScope(settings.scope, request)
+    const acquisition = await acquire(engine, state, storageKey(state.key, scope), fingerprint)
+    switch (acquisition.outcome) {
+      case 'run':
+        run(guarded, reply, state)
+        return undefined
+      case 'replay':
+        replay(reply, acquisition.response)
+        // Returning the reply tells Fastify the response is under way: without it, Fastify goes on
+        // to the handler whenever the send is still pending (any asynchronous onSend hook).
+        return reply
+      case 'refuse':
+        throw acquisition.error
+      case 'unprotected':
+        guarded[kState] = null
+        return undefined
+    }
+  }
+
+  /** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
+  function run (request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
+    if (state.transaction !== null) request.idempotency = { key: state.key, transaction: state.transaction.handle }
+    reply.raw.once('close', () => {
+      if (state.phase !== 'held') return
+      // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.
+      if (reply.sent) {
+        if (state.settle()) void settle(engine, state, reply.statusCode, null, 'hijacked')
+        return
+      }
+      // The client went away while the handler runs. The lease stays, so a retry does not run the
+      // handler a second time alongside it, and onSend settles it with the handler's outcome (a
+      // retry then replays what was done). Renewal stops, though: a handler that never answers
+      // frees the key once lockTimeout has passed instead of holding it for ever.
+      engine.renewal.drop(state)
+    })
+  }
+
+  function replay (reply: FastifyReply, response: StoredResponse): void {
+    reply.code(response.statusCode)
+    for (const name in response.headers) reply.header(name, response.headers[name])
+    if (response.contentType !== null) reply.header('content-type', response.contentType)
+    if (plugin.replayHeader !== null) reply.header(plugin.replayHeader, 'true')
+    reply.send(response.body)
+  }
+
+  /**
+   * Callback style, not async: most responses (replays, requests without a key, refusals) pass
+   * straight through, and an async hook would cost each of them a promise and a microtask.
+   */
+  function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void {
+    const state = (request as GuardedRequest)[kState]
+    if (state !== null) {
+      if (state.settle()) {
+        settleResponse(reply, state, payload).then((sent) => { done(null, sent) }, done)
+        return
+      }
+      // Fastify gives a Buffer without a Content-Type one of its own; the original had none.
+      if (state.replayed !== null && state.replayed.contentType === null) reply.removeHeader('content-type')
+    }
+    done(null, payload)
+  }
+
+  /** The handler's response: store it (or give the key back) and hand on the payload to send. */
+  async function settleResponse (reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
+    const statusCode = reply.statusCode
+    if (state.failed || !settings.cacheable.has(statusCode)) {
+      await settle(engine, state, statusCode, null, state.failed ? 'failed' : 'not-cacheable')
+      return payload
+    }
+    const bytes = payloadBytes(payload)
+    if (bytes !== null) {
+      const response = bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, excludedHeaders, bytes)
+      await settleOrRefuse(state, statusCode, response, 'too-large', 'transaction not committed')
+      return payload
+    }
+    if (isNodeStream(payload)) {
+      const capture = captureStream(payload, settings.maxResponseBytes)
+      capture.holdEndUntil(capture.captured.then(async (captured) => {
+        const response = captured.body === null ? null : snapshotResponse(reply, excludedHeaders, captured.body)
+        const settlement = await settle(engine, state, reply.statusCode, response, captured.body === null ? captured.reason : 'too-large')
+        // Too late for another status: cut the response, so the client never sees a clean success.
+        if (!settlement.deliverable) reply.raw.destroy(new Error('fastify-idempotency: transaction not committed'))
+      }))
+      return capture.stream
+    }
+    // A web stream or a Response: sent as it is, not stored (in transaction mode, refused).
+    await settleOrRefuse(state, statusCode, null, 'not-capturable', 'response cannot be stored in transaction mode')
+    return payload
+  }
+
+  /** Settle, and turn a success that must not reach the client (transaction mode) into a 503. */
+  async function settleOrRefuse (state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason, why: string): Promise<void> {
+    const settlement = await settle(engine, state, statusCode, response, reason)
+    if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(why))
+  }
+
+  function onError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
+    const state = (request as GuardedRequest)[kState]
+    if (state !== null) state.failed = true
+    done()
+  }
+
+  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError, stop: () => { engine.renewal.stop() } }
+}
+
+async function resolveScope (scope: (request: FastifyRequest) => string | Promise<string>, request: FastifyRequest): Promise<string> {
+  const value = await scope(request)
+  if (typeof value !== 'string') throw new TypeError('fastify-idempotency: scope(request) must return a string')
+  return value
+}
