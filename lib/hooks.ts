@@ -14,7 +14,7 @@ import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, on
 import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
 import { acquire } from './engine/acquire.js'
 import { RequestState } from './engine/request-state.js'
-import { createRouteEngine } from './engine/route-engine.js'
+import { createRouteEngine, type RouteEngine } from './engine/route-engine.js'
 import { settle, type NotStoredReason } from './engine/settle.js'
 import { storageKey } from './engine/storage-key.js'
 import { IdempotencyFingerprintError, IdempotencyKeyMissingError, IdempotencyStoreUnavailableError } from './errors.js'
@@ -49,9 +49,17 @@ export interface RouteHooks {
   stop: () => void
 }
 
-export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, route: string): RouteHooks {
-  const engine = createRouteEngine(plugin.storage, settings, route)
-  const { headerName, headerLabel, maxKeyLength, excludedHeaders } = plugin
+/** One guarded route: its engine and its settings. */
+interface Route {
+  engine: RouteEngine
+  plugin: PluginSettings
+  settings: RouteSettings
+}
+
+export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string): RouteHooks {
+  const engine = createRouteEngine(plugin.storage, settings, url)
+  const route: Route = { engine, plugin, settings }
+  const { headerName, headerLabel, maxKeyLength } = plugin
 
   function onRequest (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
     let key
@@ -87,10 +95,10 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const acquisition = await acquire(engine, state, storageKey(state.key, scope), fingerprint)
     switch (acquisition.outcome) {
       case 'run':
-        run(guarded, reply, state)
+        run(route, guarded, reply, state)
         return undefined
       case 'replay':
-        replay(reply, acquisition.response)
+        replay(route, reply, acquisition.response)
         // Returning the reply tells Fastify the response is under way: without it, Fastify goes on
         // to the handler whenever the send is still pending (any asynchronous onSend hook).
         return reply
@@ -102,32 +110,6 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     }
   }
 
-  /** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
-  function run (request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
-    if (state.transaction !== null) request.idempotency = { key: state.key, transaction: state.transaction.handle }
-    reply.raw.once('close', () => {
-      if (state.phase !== 'held') return
-      // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.
-      if (reply.sent) {
-        if (state.settle()) void settle(engine, state, reply.statusCode, null, 'hijacked')
-        return
-      }
-      // The client went away while the handler runs. The lease stays, so a retry does not run the
-      // handler a second time alongside it, and onSend settles it with the handler's outcome (a
-      // retry then replays what was done). Renewal stops, though: a handler that never answers
-      // frees the key once lockTimeout has passed instead of holding it for ever.
-      engine.renewal.drop(state)
-    })
-  }
-
-  function replay (reply: FastifyReply, response: StoredResponse): void {
-    reply.code(response.statusCode)
-    for (const name in response.headers) reply.header(name, response.headers[name])
-    if (response.contentType !== null) reply.header('content-type', response.contentType)
-    if (plugin.replayHeader !== null) reply.header(plugin.replayHeader, 'true')
-    reply.send(response.body)
-  }
-
   /**
    * Callback style, not async: most responses (replays, requests without a key, refusals) pass
    * straight through, and an async hook would cost each of them a promise and a microtask.
@@ -136,47 +118,13 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const state = (request as GuardedRequest)[kState]
     if (state !== null) {
       if (state.settle()) {
-        settleResponse(reply, state, payload).then((sent) => { done(null, sent) }, done)
+        settleResponse(route, reply, state, payload).then((sent) => { done(null, sent) }, done)
         return
       }
       // Fastify gives a Buffer without a Content-Type one of its own; the original had none.
       if (state.replayed !== null && state.replayed.contentType === null) reply.removeHeader('content-type')
     }
     done(null, payload)
-  }
-
-  /** The handler's response: store it (or give the key back) and hand on the payload to send. */
-  async function settleResponse (reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
-    const statusCode = reply.statusCode
-    if (state.failed || !settings.cacheable.has(statusCode)) {
-      await settle(engine, state, statusCode, null, state.failed ? 'failed' : 'not-cacheable')
-      return payload
-    }
-    const bytes = payloadBytes(payload)
-    if (bytes !== null) {
-      const response = bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, excludedHeaders, bytes)
-      await settleOrRefuse(state, statusCode, response, 'too-large', 'transaction not committed')
-      return payload
-    }
-    if (isNodeStream(payload)) {
-      const capture = captureStream(payload, settings.maxResponseBytes)
-      capture.holdEndUntil(capture.captured.then(async (captured) => {
-        const response = captured.body === null ? null : snapshotResponse(reply, excludedHeaders, captured.body)
-        const settlement = await settle(engine, state, reply.statusCode, response, captured.body === null ? captured.reason : 'too-large')
-        // Too late for another status: cut the response, so the client never sees a clean success.
-        if (!settlement.deliverable) reply.raw.destroy(new Error('fastify-idempotency: transaction not committed'))
-      }))
-      return capture.stream
-    }
-    // A web stream or a Response: sent as it is, not stored (in transaction mode, refused).
-    await settleOrRefuse(state, statusCode, null, 'not-capturable', 'response cannot be stored in transaction mode')
-    return payload
-  }
-
-  /** Settle, and turn a success that must not reach the client (transaction mode) into a 503. */
-  async function settleOrRefuse (state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason, why: string): Promise<void> {
-    const settlement = await settle(engine, state, statusCode, response, reason)
-    if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(why))
   }
 
   function onError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
@@ -192,4 +140,65 @@ async function resolveScope (scope: (request: FastifyRequest) => string | Promis
   const value = await scope(request)
   if (typeof value !== 'string') throw new TypeError('fastify-idempotency: scope(request) must return a string')
   return value
+}
+
+/** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
+function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
+  if (state.transaction !== null) request.idempotency = { key: state.key, transaction: state.transaction.handle }
+  reply.raw.once('close', () => {
+    if (state.phase !== 'held') return
+    // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.
+    if (reply.sent) {
+      if (state.settle()) void settle(engine, state, reply.statusCode, null, 'hijacked')
+      return
+    }
+    // The client went away while the handler runs. The lease stays, so a retry does not run the
+    // handler a second time alongside it, and onSend settles it with the handler's outcome (a
+    // retry then replays what was done). Renewal stops, though: a handler that never answers
+    // frees the key once lockTimeout has passed instead of holding it for ever.
+    engine.renewal.drop(state)
+  })
+}
+
+function replay ({ plugin }: Route, reply: FastifyReply, response: StoredResponse): void {
+  reply.code(response.statusCode)
+  for (const name in response.headers) reply.header(name, response.headers[name])
+  if (response.contentType !== null) reply.header('content-type', response.contentType)
+  if (plugin.replayHeader !== null) reply.header(plugin.replayHeader, 'true')
+  reply.send(response.body)
+}
+
+/** The handler's response: store it (or give the key back) and hand on the payload to send. */
+async function settleResponse (route: Route, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
+  const { engine, settings, plugin: { excludedHeaders } } = route
+  const statusCode = reply.statusCode
+  if (state.failed || !settings.cacheable.has(statusCode)) {
+    await settle(engine, state, statusCode, null, state.failed ? 'failed' : 'not-cacheable')
+    return payload
+  }
+  const bytes = payloadBytes(payload)
+  if (bytes !== null) {
+    const response = bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, excludedHeaders, bytes)
+    await settleOrRefuse(engine, state, statusCode, response, 'too-large', 'transaction not committed')
+    return payload
+  }
+  if (isNodeStream(payload)) {
+    const capture = captureStream(payload, settings.maxResponseBytes)
+    capture.holdEndUntil(capture.captured.then(async (captured) => {
+      const response = captured.body === null ? null : snapshotResponse(reply, excludedHeaders, captured.body)
+      const settlement = await settle(engine, state, reply.statusCode, response, captured.body === null ? captured.reason : 'too-large')
+      // Too late for another status: cut the response, so the client never sees a clean success.
+      if (!settlement.deliverable) reply.raw.destroy(new Error('fastify-idempotency: transaction not committed'))
+    }))
+    return capture.stream
+  }
+  // A web stream or a Response: sent as it is, not stored (in transaction mode, refused).
+  await settleOrRefuse(engine, state, statusCode, null, 'not-capturable', 'response cannot be stored in transaction mode')
+  return payload
+}
+
+/** Settle, and turn a success that must not reach the client (transaction mode) into a 503. */
+async function settleOrRefuse (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason, why: string): Promise<void> {
+  const settlement = await settle(engine, state, statusCode, response, reason)
+  if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(why))
 }
