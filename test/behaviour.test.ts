@@ -436,6 +436,34 @@ for (const store of cases) {
       expect((await post(t, key, { a: 9 }, { headers: { 'x-user': 'bob' } })).statusCode).toBe(409)
     })
 
+    it('accepts any scope the application returns: long ones, multi-byte ones, lone surrogates, each kept apart', async () => {
+      // A scope from a header or a token can be long, or not well-formed Unicode; such a scope
+      // used to make PostgreSQL answer 503 on every attempt while memory and Redis accepted it.
+      const scopes: Record<string, string> = {
+        long: 't'.repeat(2000),
+        longer: 't'.repeat(2001),
+        multibyte: '\u00e9'.repeat(300),
+        'lone-high': 'tenant-\uD800',
+        'lone-low': 'tenant-\uDC00'
+      }
+      const t = await app({ scope: (request) => scopes[String(request.headers['x-principal'])]! })
+      const key = newKey()
+      const first = new Map<string, string>()
+      for (const principal of Object.keys(scopes)) {
+        const res = await post(t, key, { a: 1 }, { headers: { 'x-principal': principal } })
+        expect(res.statusCode, principal).toBe(201)
+        expect(res.headers['idempotent-replayed'], principal).toBeUndefined()
+        first.set(principal, res.body)
+      }
+      for (const principal of Object.keys(scopes)) {
+        const again = await post(t, key, { a: 1 }, { headers: { 'x-principal': principal } })
+        expect(again.headers['idempotent-replayed'], principal).toBe('true')
+        expect(again.body, principal).toBe(first.get(principal))
+        expect((await post(t, key, { a: 2 }, { headers: { 'x-principal': principal } })).statusCode, principal).toBe(409)
+      }
+      expect(t.runs.get('/orders')).toBe(Object.keys(scopes).length)
+    })
+
     it('replays a Buffer body and a streamed body byte for byte', async () => {
       const bytes = Buffer.from(Array.from({ length: 4096 }, (_, i) => (i * 7) % 256))
       const t = await app({}, {

@@ -46,7 +46,14 @@ export const HOSTILE_KEYS: readonly string[] = [
   'back\\slash',
   '\u00e9t\u00e9 \u{1F4B8}',
   'x'.repeat(255),
-  'tenant-\u0000-scope:key'
+  'tenant-\u0000-scope:key',
+  // The longest keys the plugin passes on unhashed (512 UTF-8 bytes; see MAX_STORAGE_KEY_BYTES):
+  // ASCII, two-byte and four-byte characters, a scope before a line feed, and a hashed key.
+  'k'.repeat(512 - 60),
+  '\u00e9'.repeat(256 - 30),
+  '\u{1F4B8}'.repeat(128 - 15),
+  'tenant \u00e9\u00e9\nkey-1',
+  '\u0000sha256:47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU'
 ]
 
 let unique = 0

@@ -5,6 +5,10 @@
  * replay, refusal or execution from what `begin` returns. What a provider must guarantee is
  * atomicity: `begin` is one indivisible step (no read-then-write gap), and `complete` / `release`
  * take effect only while the caller's fencing token still holds the lease.
+ *
+ * Keys: the plugin passes a store well-formed Unicode strings of 1 to 512 UTF-8 bytes (a longer
+ * or ill-formed key is hashed first, see engine/storage-key.ts), which may contain any character,
+ * NUL and line feed included. A store must keep every such key apart, byte for byte.
  */
 
 /** A response as it is stored and replayed. */
