@@ -63,6 +63,17 @@ describe('errors', () => {
     expect(new IdempotencyRequestInProgressError('k', -5).headers['retry-after']).toBe('1')
   })
 
+  it('tells clients which refusals a retry cannot fix (Stripe-Should-Retry, X-Should-Retry) and when to retry the others', () => {
+    for (const { error, anchor } of kinds) {
+      const retryable = anchor === 'request-in-progress' || anchor === 'store-unavailable'
+      expect(error.headers['stripe-should-retry'], anchor).toBe(String(retryable))
+      expect(error.headers['x-should-retry'], anchor).toBe(String(retryable))
+      if (retryable) expect(Number(error.headers['retry-after-ms']), anchor).toBeGreaterThan(0)
+      else expect(error.headers['retry-after'], anchor).toBeUndefined()
+    }
+    expect(new IdempotencyRequestInProgressError('k', 0.25).headers).toMatchObject({ 'retry-after': '1', 'retry-after-ms': '250' })
+  })
+
   it('keeps the cause of a store failure out of the client\'s answer', async () => {
     const res = await answer(new IdempotencyStoreUnavailableError('k', new Error('password=hunter2')))
     expect(res.body).not.toContain('hunter2')

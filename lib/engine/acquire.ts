@@ -66,10 +66,24 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
     const now = Date.now()
     if (now >= waitUntil) {
       reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
-      return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, (result.lockExpiresAt - now) / 1000) }
+      return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
     }
     await waitForLease(engine, storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
   }
+}
+
+/** Before a route has any history, a duplicate is told to come back after this many ms. */
+const FIRST_RETRY_AFTER_MS = 1000
+/** Never sooner: a retry that comes back at once only meets the same 409. */
+const MIN_RETRY_AFTER_MS = 100
+
+/**
+ * When a duplicate's retry is likely to find the response stored: the route's recent 90th
+ * percentile of time holding a key (the holder started some time ago, so usually sooner), never
+ * past the end of the holder's lease, when the key is free in any case.
+ */
+function retryAfter ({ durations }: RouteEngine, untilLeaseEnds: number): number {
+  return Math.max(MIN_RETRY_AFTER_MS, Math.min(untilLeaseEnds, durations.p90(FIRST_RETRY_AFTER_MS)))
 }
 
 /**

@@ -4,6 +4,7 @@
  */
 import type { RouteSettings } from '../options.js'
 import type { IdempotencyStorage } from '../storage/types.js'
+import { HandlerDurations } from './handler-durations.js'
 import { LeaseRenewal } from './lease-renewal.js'
 import { Reporter } from './report.js'
 import type { RequestState } from './request-state.js'
@@ -14,12 +15,14 @@ export interface RouteEngine {
   readonly reporter: Reporter
   /** Renews the lease of every request of this route whose handler is running. */
   readonly renewal: LeaseRenewal<RequestState>
+  /** How long this route's requests recently held their key (for Retry-After). */
+  readonly durations: HandlerDurations
 }
 
 export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string): RouteEngine {
   const reporter = new Reporter(storage.constructor.name, route)
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, (state) => { renewLease(storage, settings, reporter, state) })
-  return { storage, settings, reporter, renewal }
+  return { storage, settings, reporter, renewal, durations: new HandlerDurations() }
 }
 
 /** One renewal: the store extends the lease, or says it was lost. */

@@ -32,6 +32,7 @@ const STORED: Settlement = { stored: true, deliverable: true }
  */
 export async function settle (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
   engine.renewal.drop(state)
+  engine.durations.record(performance.now() - state.started)
   const settlement = state.transaction === null
     ? await settleAlone(engine, state, response, reason)
     : await settleTransaction(engine, state, state.transaction, response, reason)
