@@ -37,7 +37,8 @@ export interface IdempotencyEvent {
   /** Why an executed request's response was not stored. */
   reason?: 'failed' | 'not-cacheable' | 'too-large' | 'interrupted' | 'not-capturable' | 'hijacked' | 'lease-lost' | 'store-error'
   waitedMs?: number
-  phase?: 'begin' | 'complete' | 'release' | 'renew'
+  /** Where it happened; `max-hold`: renewal stopped because the request held its key for `maxLockHold`. */
+  phase?: 'begin' | 'complete' | 'release' | 'renew' | 'max-hold'
   failOpen?: boolean
   error?: unknown
 }

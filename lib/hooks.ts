@@ -145,6 +145,12 @@ async function resolveScope (scope: (request: FastifyRequest) => string | Promis
 /** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
 function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
   if (state.transaction !== null) request.idempotency = { key: state.key, transaction: state.transaction.handle }
+  if (reply.raw.destroyed) {
+    // The client left before the lease was taken: 'close' has fired already and will not again.
+    // As below, the lease is not renewed, so a handler that never answers frees the key.
+    engine.renewal.drop(state)
+    return
+  }
   reply.raw.once('close', () => {
     if (state.phase !== 'held') return
     // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.

@@ -16,6 +16,12 @@ export interface IdempotencyRouteOptions {
   expiration?: number | string
   /** How long a request holds its key before a retry may take over (default `'60s'`). Renewed while the handler runs. */
   lockTimeout?: number | string
+  /**
+   * The longest a request may keep renewing its lease, handler and storing its response together
+   * (default `'10m'`, or `lockTimeout` if that is longer). Past it renewal stops, so no hung
+   * handler and no store that keeps refusing the response can hold a key for ever.
+   */
+  maxLockHold?: number | string
   /** Status codes to store besides 200, 201, 202 and 204. */
   addCacheableStatusCodes?: number[]
   /** Status codes not to store. */
@@ -82,6 +88,9 @@ export interface RouteSettings {
   required: boolean
   expiration: number
   lockTimeout: number
+  maxLockHold: number
+  /** `maxLockHold` as the options gave it (`null`: the default), for a route's lockTimeout to be checked against. */
+  maxLockHoldOption: number | null
   cacheable: ReadonlySet<number>
   fingerprint: FingerprintSettings
   /** The options `fingerprint` was built from, for a route's override to merge over. */
@@ -139,6 +148,7 @@ const routeProperties = {
   required: { type: 'boolean' },
   expiration: duration,
   lockTimeout: duration,
+  maxLockHold: duration,
   addCacheableStatusCodes: statusCodes,
   removeCacheableStatusCodes: statusCodes,
   fingerprint: fingerprintSchema,
@@ -247,6 +257,7 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
   if (options.replaySetCookie !== true) excluded.add('set-cookie')
   if (replayHeader !== false) excluded.add(replayHeader.toLowerCase())
   for (const name of options.excludeHeaders ?? []) excluded.add(name.toLowerCase())
+  const lockTimeout = toMilliseconds(options.lockTimeout ?? '60s', 'lockTimeout', context)
   return {
     storage,
     headerName: (options.headerName ?? 'Idempotency-Key').toLowerCase(),
@@ -257,7 +268,8 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
     defaults: {
       required: options.required ?? false,
       expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),
-      lockTimeout: toMilliseconds(options.lockTimeout ?? '60s', 'lockTimeout', context),
+      lockTimeout,
+      ...lockHold(options.maxLockHold === undefined ? null : toMilliseconds(options.maxLockHold, 'maxLockHold', context), lockTimeout, context),
       cacheable: cacheableSet(DEFAULT_CACHEABLE_STATUS_CODES, options.addCacheableStatusCodes, options.removeCacheableStatusCodes),
       fingerprint: normalizeFingerprint(options.fingerprint),
       fingerprintOptions: options.fingerprint ?? {},
@@ -269,6 +281,16 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
       scope: options.scope ?? null
     }
   }
+}
+
+const DEFAULT_MAX_LOCK_HOLD = 10 * 60_000
+
+/** `maxLockHold` as given, or the default (10 minutes, or lockTimeout when that is longer). */
+function lockHold (option: number | null, lockTimeout: number, context: string): { maxLockHold: number, maxLockHoldOption: number | null } {
+  if (option !== null && option < lockTimeout) {
+    throw new TypeError(`fastify-idempotency: invalid ${context}: maxLockHold (${option} ms) must not be shorter than lockTimeout (${lockTimeout} ms)`)
+  }
+  return { maxLockHold: option ?? Math.max(DEFAULT_MAX_LOCK_HOLD, lockTimeout), maxLockHoldOption: option }
 }
 
 /** A waitTimeout where nothing waits is a mistake worth a start-up error, not a silent no-op. */
@@ -302,10 +324,12 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
   const route = config as IdempotencyRouteOptions
   checkScope(route.scope, context)
   const fingerprintOptions = { ...base.fingerprintOptions, ...route.fingerprint }
+  const lockTimeout = route.lockTimeout === undefined ? base.lockTimeout : toMilliseconds(route.lockTimeout, 'lockTimeout', context)
   return {
     required: route.required ?? base.required,
     expiration: route.expiration === undefined ? base.expiration : toMilliseconds(route.expiration, 'expiration', context),
-    lockTimeout: route.lockTimeout === undefined ? base.lockTimeout : toMilliseconds(route.lockTimeout, 'lockTimeout', context),
+    lockTimeout,
+    ...lockHold(route.maxLockHold === undefined ? base.maxLockHoldOption : toMilliseconds(route.maxLockHold, 'maxLockHold', context), lockTimeout, context),
     cacheable: cacheableSet(base.cacheable, route.addCacheableStatusCodes, route.removeCacheableStatusCodes),
     fingerprint: route.fingerprint === undefined ? base.fingerprint : normalizeFingerprint(fingerprintOptions),
     fingerprintOptions,

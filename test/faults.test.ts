@@ -75,7 +75,7 @@ describe('store failures', () => {
     expect(t.runs()).toBe(1)
   })
 
-  it('still answers the client when storing fails after the handler ran, logs it, and leaves no entry', async () => {
+  it('still answers the client when storing fails after the handler ran, and keeps storing: duplicates get 409, then the replay, never a second run', async () => {
     const { storage, down } = breakable()
     const t = await appWith(storage, { lockTimeout: 200 })
     const key = newKey()
@@ -83,14 +83,36 @@ describe('store failures', () => {
     const res = await t.post(key)
     expect(res.statusCode).toBe(201)
     expect(res.json()).toEqual({ run: 1 })
-    expect(t.logs.some((line) => line.level === 50 && /sent but not stored/.test(line.msg))).toBe(true)
-    down.delete('complete')
-    // The lease the failed store still holds lapses after lockTimeout; then the key runs anew.
+    expect(t.logs.some((line) => line.level === 50 && /storing is retried/.test(line.msg))).toBe(true)
+    // Well past lockTimeout: the lease is renewed while storing is retried.
+    await new Promise((resolve) => setTimeout(resolve, 500))
     expect((await t.post(key)).statusCode).toBe(409)
-    await new Promise((resolve) => setTimeout(resolve, 300))
-    const retry = await t.post(key)
+    down.delete('complete')
+    let retry = await t.post(key)
+    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
+      await new Promise((resolve) => setTimeout(resolve, 50))
+      retry = await t.post(key)
+    }
     expect(retry.statusCode).toBe(201)
-    expect(retry.headers['idempotent-replayed']).toBeUndefined()
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(retry.json()).toEqual({ run: 1 })
+    expect(t.runs()).toBe(1)
+  })
+
+  it('gives up storing at maxLockHold, loudly, and the key is free again once the lease lapses', async () => {
+    const { storage, down } = breakable()
+    const t = await appWith(storage, { lockTimeout: 100, maxLockHold: 300 })
+    const key = newKey()
+    down.add('complete')
+    expect((await t.post(key)).statusCode).toBe(201)
+    let retry = await t.post(key)
+    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
+      await new Promise((resolve) => setTimeout(resolve, 50))
+      retry = await t.post(key)
+    }
+    expect(retry.statusCode).toBe(201)
+    expect(t.runs()).toBe(2)
+    expect(t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))).toBe(true)
   })
 
   it('still answers the client when releasing fails after an error response', async () => {

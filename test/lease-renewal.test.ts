@@ -4,7 +4,7 @@ import { LeaseRenewal, type RenewedLease } from '../lib/engine/lease-renewal.js'
 interface TestLease extends RenewedLease { name: string }
 
 function lease (name: string): TestLease {
-  return { name, renewing: false, renewedAt: 0, previousHeld: null, nextHeld: null }
+  return { name, acquiredAt: Date.now(), renewing: false, renewedAt: 0, previousHeld: null, nextHeld: null }
 }
 
 describe('LeaseRenewal', () => {
@@ -13,7 +13,7 @@ describe('LeaseRenewal', () => {
 
   it('renews each held lease every lockTimeout/4, the first time within 3/8 of lockTimeout, and stops at drop', () => {
     const renewed: string[] = []
-    const renewal = new LeaseRenewal<TestLease>(800, (l) => { renewed.push(`${l.name}@${Date.now() - 1_000_000}`) })
+    const renewal = new LeaseRenewal<TestLease>(800, Infinity, (l) => { renewed.push(`${l.name}@${Date.now() - 1_000_000}`) })
     vi.setSystemTime(1_000_000)
     const a = lease('a')
     renewal.hold(a)
@@ -36,7 +36,7 @@ describe('LeaseRenewal', () => {
 
   it('keeps the list intact whichever lease is dropped, and tolerates a second drop', () => {
     const renewed: string[] = []
-    const renewal = new LeaseRenewal<TestLease>(400, (l) => { renewed.push(l.name) })
+    const renewal = new LeaseRenewal<TestLease>(400, Infinity, (l) => { renewed.push(l.name) })
     const leases = ['a', 'b', 'c', 'd', 'e'].map(lease)
     for (const l of leases) renewal.hold(l)
     renewal.drop(leases[2]!) // middle
@@ -54,5 +54,25 @@ describe('LeaseRenewal', () => {
     vi.advanceTimersByTime(1000)
     expect(renewed).toHaveLength(5)
     expect(vi.getTimerCount()).toBe(0)
+  })
+
+  it('stops renewing a lease maxHold after it was acquired, and hands it to expire', () => {
+    const renewed: string[] = []
+    const expired: string[] = []
+    vi.setSystemTime(2_000_000)
+    const renewal = new LeaseRenewal<TestLease>(400, 1000, (l) => { renewed.push(`${l.name}@${Date.now() - 2_000_000}`) }, (l) => { expired.push(`${l.name}@${Date.now() - 2_000_000}`) })
+    const a = lease('a')
+    renewal.hold(a)
+    vi.advanceTimersByTime(500)
+    const b = lease('b') // acquired at 500: it outlives a
+    renewal.hold(b)
+    vi.advanceTimersByTime(900) // t = 1400
+    expect(expired).toEqual(['a@1000'])
+    expect(renewed.filter((entry) => entry.startsWith('a@')).every((entry) => Number(entry.slice(2)) < 1000)).toBe(true)
+    expect(a.renewing).toBe(false)
+    expect(b.renewing).toBe(true)
+    vi.advanceTimersByTime(1100) // t = 2500
+    expect(expired).toEqual(['a@1000', 'b@1500'])
+    renewal.stop()
   })
 })

@@ -57,7 +57,8 @@ describe('options are validated when the plugin is registered', () => {
     ['include and exclude together', { fingerprint: { body: { include: ['/a'], exclude: ['/b'] } } }, /fingerprint\.body/],
     ['a storage missing methods', { storage: { begin () {} } }, /storage must implement IdempotencyStorage \(missing complete, release, renew\)/],
     ['a scope that is not a function', { scope: 'tenant' }, /scope must be a function/],
-    ['a waitTimeout without wait', { waitTimeout: '5s' }, /waitTimeout is set but wait is not true/]
+    ['a waitTimeout without wait', { waitTimeout: '5s' }, /waitTimeout is set but wait is not true/],
+    ['a maxLockHold shorter than lockTimeout', { lockTimeout: '2m', maxLockHold: '1m' }, /maxLockHold \(60000 ms\) must not be shorter than lockTimeout \(120000 ms\)/]
   ]
   for (const [name, options, message] of bad) {
     it(`refuses ${name}`, async () => {
@@ -77,6 +78,11 @@ describe('route config is validated when the route is added', () => {
     await expect(addRoute({ requird: true })).rejects.toThrow(/config\.idempotency of route POST \/pay: config\.idempotency has an unknown property 'requird'/)
     await expect(addRoute({ expiration: 'soon' })).rejects.toThrow(/route POST \/pay: expiration must be/)
     await expect(addRoute('yes')).rejects.toThrow(/route POST \/pay: it must be true, false or an object/)
+  })
+
+  it('checks maxLockHold against the route\'s own lockTimeout, and defaults it to the longer of 10 minutes and lockTimeout', async () => {
+    await expect(addRoute({ lockTimeout: '20m' })).resolves.toBeUndefined()
+    await expect(addRoute({ lockTimeout: '20m', maxLockHold: '15m' })).rejects.toThrow(/route POST \/pay: maxLockHold \(900000 ms\) must not be shorter than lockTimeout/)
   })
 
   it('refuses a waitTimeout on a route that does not wait', async () => {

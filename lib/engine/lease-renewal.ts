@@ -1,17 +1,22 @@
 /**
- * Keeps the leases of running handlers alive: one timer per route, not one per request. (A
- * `setInterval` and `clearInterval` for every first request cost more than the rest of the lease
- * bookkeeping together.) Held leases form a linked list through fields on the leases themselves,
- * so taking and dropping one is a few pointer writes: no allocation, no hashing.
+ * Keeps the leases of running handlers alive: one timer per route, not one per request (a timer
+ * per request was the costliest part of the lease bookkeeping; see bench/analysis.md). Held
+ * leases form a linked list through fields on the leases themselves, so taking and dropping one
+ * is a few pointer writes: no allocation, no hashing.
  *
  * The timer ticks every `lockTimeout / 4` while leases are held and stops on the first tick that
  * finds none. A tick renews each lease taken or renewed at least `lockTimeout / 8` before, so a
  * lease is first renewed at most 3/8 of `lockTimeout` after it was taken, then every
  * `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
+ *
+ * No lease is renewed past `maxHold` after it was acquired: the tick that finds it that old drops
+ * it and hands it to `expire`, and the store lets it lapse within `lockTimeout`.
  */
 
 /** What the renewal keeps on each lease (initialize to `false`, `0`, `null`, `null`). */
 export interface RenewedLease {
+  /** When the lease was first acquired (epoch ms), set by its owner: renewal stops `maxHold` later. */
+  acquiredAt: number
   renewing: boolean
   /** When it was taken or last renewed (epoch ms). */
   renewedAt: number
@@ -22,12 +27,16 @@ export interface RenewedLease {
 export class LeaseRenewal<Lease extends RenewedLease> {
   #first: Lease | null = null
   readonly #period: number
+  readonly #maxHold: number
   readonly #renew: (lease: Lease) => void
+  readonly #expire: (lease: Lease) => void
   #timer: NodeJS.Timeout | null = null
 
-  constructor (lockTimeout: number, renew: (lease: Lease) => void) {
+  constructor (lockTimeout: number, maxHold: number, renew: (lease: Lease) => void, expire: (lease: Lease) => void = () => {}) {
     this.#period = Math.max(1, Math.floor(lockTimeout / 4))
+    this.#maxHold = maxHold
     this.#renew = renew
+    this.#expire = expire
   }
 
   /** Renew `lease` from now on, until `drop`. */
@@ -70,10 +79,16 @@ export class LeaseRenewal<Lease extends RenewedLease> {
     }
     const now = Date.now()
     const due = now - this.#period / 2
-    for (let lease = this.#first as RenewedLease | null; lease !== null; lease = lease.nextHeld) {
-      if (lease.renewedAt > due) continue
-      lease.renewedAt = now
-      this.#renew(lease as Lease)
+    for (let lease = this.#first as RenewedLease | null; lease !== null;) {
+      const next = lease.nextHeld
+      if (now - lease.acquiredAt >= this.#maxHold) {
+        this.drop(lease as Lease)
+        this.#expire(lease as Lease)
+      } else if (lease.renewedAt <= due) {
+        lease.renewedAt = now
+        this.#renew(lease as Lease)
+      }
+      lease = next
     }
   }
 }

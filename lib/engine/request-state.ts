@@ -34,6 +34,8 @@ export class RequestState implements RenewedLease {
   /** The stored response this request is answered with; set by `replay`. */
   replayed: StoredResponse | null = null
 
+  /** When the lease was acquired (epoch ms); renewal stops `maxLockHold` later. */
+  acquiredAt = 0
   // Kept by LeaseRenewal while the lease is renewed.
   renewing = false
   renewedAt = 0
@@ -56,6 +58,7 @@ export class RequestState implements RenewedLease {
     this.#phase = 'held'
     this.storageKey = storageKey
     this.token = token
+    this.acquiredAt = Date.now()
   }
 
   /** A stored response answers this request. */

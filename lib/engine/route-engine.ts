@@ -21,7 +21,9 @@ export interface RouteEngine {
 
 export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string): RouteEngine {
   const reporter = new Reporter(storage.constructor.name, route)
-  const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, (state) => { renewLease(storage, settings, reporter, state) })
+  const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, settings.maxLockHold,
+    (state) => { renewLease(storage, settings, reporter, state) },
+    (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') })
   return { storage, settings, reporter, renewal, durations: new HandlerDurations() }
 }
 

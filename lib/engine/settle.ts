@@ -4,6 +4,7 @@
  * both back. Never throws: the store's failures are reported, and the outcome says whether the
  * client may still receive the response it is about to get.
  */
+import { setTimeout as sleep } from 'node:timers/promises'
 import type { IdempotencyEvent } from '../diagnostics.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
 import type { RequestState } from './request-state.js'
@@ -22,6 +23,11 @@ export interface Settlement {
    * response that was to be kept and was not (lease lost, commit failed) had its writes rolled back.
    */
   deliverable: boolean
+  /**
+   * Storing failed and goes on in the background while the lease is held and renewed, so that
+   * duplicates get 409 rather than a second run until it is stored (or `maxLockHold` has passed).
+   */
+  retrying?: boolean
 }
 
 const STORED: Settlement = { stored: true, deliverable: true }
@@ -36,7 +42,8 @@ export async function settle (engine: RouteEngine, state: RequestState, statusCo
   const settlement = state.transaction === null
     ? await settleAlone(engine, state, response, reason)
     : await settleTransaction(engine, state, state.transaction, response, reason)
-  reportExecuted(engine, state, statusCode, settlement)
+  if (settlement.retrying === true) void keepStoring(engine, state, statusCode, response!)
+  else reportExecuted(engine, state, statusCode, settlement)
   return settlement
 }
 
@@ -54,9 +61,45 @@ async function settleAlone ({ storage, settings, reporter }: RouteEngine, state:
     reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response was stored: this response was not stored')
     return { stored: false, reason: 'lease-lost', deliverable: true }
   } catch (error) {
-    reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but not stored')
-    return { stored: false, reason: 'store-error', deliverable: true }
+    reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency store failed to store the response after the handler ran: the response was sent, and storing is retried while the lease is held')
+    return { stored: false, reason: 'store-error', deliverable: true, retrying: true }
   }
+}
+
+/** First and longest pause between two attempts to store a response. */
+const FIRST_STORE_RETRY_MS = 50
+const LAST_STORE_RETRY_MS = 2000
+
+/**
+ * Store the response after a failed attempt: renew the lease meanwhile, and try again with a
+ * back-off until the store takes it, the lease is lost, or `maxLockHold` has passed since the lease
+ * was acquired (then the lease lapses, and a retry of the request runs the handler again: said
+ * loudly, in the log and on the diagnostics channels).
+ */
+async function keepStoring (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse): Promise<void> {
+  const { storage, settings, reporter, renewal } = engine
+  renewal.hold(state)
+  let settlement: Settlement = { stored: false, reason: 'store-error', deliverable: true }
+  for (let pause = FIRST_STORE_RETRY_MS; Date.now() - state.acquiredAt < settings.maxLockHold; pause = Math.min(pause * 2, LAST_STORE_RETRY_MS)) {
+    // Unreferenced: a pending retry never keeps the process alive on its own.
+    await sleep(pause, undefined, { ref: false })
+    try {
+      if (await storage.complete(state.storageKey, state.token, response, settings.expiration)) {
+        settlement = STORED
+      } else {
+        reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response could be stored: this response was not stored')
+        settlement = { stored: false, reason: 'lease-lost', deliverable: true }
+      }
+      break
+    } catch {
+      // Still failing: the first failure was reported; the last one is, below.
+    }
+  }
+  renewal.drop(state)
+  if (!settlement.stored && settlement.reason === 'store-error') {
+    reporter.report(state, 'store-error', { phase: 'complete' }, 'error', 'idempotency store refused the response until maxLockHold: gave up storing it; the lease lapses and a retry runs the handler again')
+  }
+  reportExecuted(engine, state, statusCode, settlement)
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
