@@ -133,7 +133,7 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     done()
   }
 
-  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError, stop: () => { engine.renewal.stop() } }
+  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError, stop: () => { engine.renewal.stop(); engine.deadline.stop() } }
 }
 
 async function resolveScope (scope: (request: FastifyRequest) => string | Promise<string>, request: FastifyRequest): Promise<string> {

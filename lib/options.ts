@@ -22,6 +22,12 @@ export interface IdempotencyRouteOptions {
    * handler and no store that keeps refusing the response can hold a key for ever.
    */
   maxLockHold?: number | string
+  /**
+   * The longest the plugin waits for any one call to its store (default `'5s'`), whatever the
+   * client library's own settings: past it, a request not yet run gets 503, and storing a response
+   * is retried. A hung store never holds a request for longer.
+   */
+  storeTimeout?: number | string
   /** Status codes to store besides 200, 201, 202 and 204. */
   addCacheableStatusCodes?: number[]
   /** Status codes not to store. */
@@ -89,6 +95,7 @@ export interface RouteSettings {
   expiration: number
   lockTimeout: number
   maxLockHold: number
+  storeTimeout: number
   /** `maxLockHold` as the options gave it (`null`: the default), for a route's lockTimeout to be checked against. */
   maxLockHoldOption: number | null
   cacheable: ReadonlySet<number>
@@ -149,6 +156,7 @@ const routeProperties = {
   expiration: duration,
   lockTimeout: duration,
   maxLockHold: duration,
+  storeTimeout: duration,
   addCacheableStatusCodes: statusCodes,
   removeCacheableStatusCodes: statusCodes,
   fingerprint: fingerprintSchema,
@@ -269,6 +277,7 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
       required: options.required ?? false,
       expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),
       lockTimeout,
+      storeTimeout: toMilliseconds(options.storeTimeout ?? '5s', 'storeTimeout', context),
       ...lockHold(options.maxLockHold === undefined ? null : toMilliseconds(options.maxLockHold, 'maxLockHold', context), lockTimeout, context),
       cacheable: cacheableSet(DEFAULT_CACHEABLE_STATUS_CODES, options.addCacheableStatusCodes, options.removeCacheableStatusCodes),
       fingerprint: normalizeFingerprint(options.fingerprint),
@@ -329,6 +338,7 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
     required: route.required ?? base.required,
     expiration: route.expiration === undefined ? base.expiration : toMilliseconds(route.expiration, 'expiration', context),
     lockTimeout,
+    storeTimeout: route.storeTimeout === undefined ? base.storeTimeout : toMilliseconds(route.storeTimeout, 'storeTimeout', context),
     ...lockHold(route.maxLockHold === undefined ? base.maxLockHoldOption : toMilliseconds(route.maxLockHold, 'maxLockHold', context), lockTimeout, context),
     cacheable: cacheableSet(base.cacheable, route.addCacheableStatusCodes, route.removeCacheableStatusCodes),
     fingerprint: route.fingerprint === undefined ? base.fingerprint : normalizeFingerprint(fingerprintOptions),

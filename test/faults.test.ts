@@ -163,3 +163,59 @@ describe('store failures', () => {
     expect(renewals.length).toBe(count)
   })
 })
+
+describe('a store that never answers', () => {
+  it('answers 503 within storeTimeout, keeps answering other requests, and gives back a lease granted too late', async () => {
+    const inner = new MemoryStorage()
+    let hang = true
+    const late: Array<() => void> = []
+    const storage: IdempotencyStorage = {
+      begin: (k, f, l) => hang ? new Promise((resolve) => { late.push(() => { resolve(inner.begin(k, f, l)) }) }) : inner.begin(k, f, l),
+      complete: (k, t, r, e) => inner.complete(k, t, r, e),
+      release: (k, t) => inner.release(k, t),
+      renew: (k, t, l) => inner.renew(k, t, l)
+    }
+    const t = await appWith(storage, { storeTimeout: 200 })
+    const key = newKey()
+    const started = Date.now()
+    const answers = await Promise.all([t.post(key), t.post(newKey()), t.post(newKey())])
+    const elapsed = Date.now() - started
+    expect(answers.map((res) => res.statusCode)).toEqual([503, 503, 503])
+    expect(answers[0]!.json().type).toMatch(/#store-unavailable$/)
+    expect(elapsed).toBeGreaterThanOrEqual(200)
+    expect(elapsed).toBeLessThan(1000)
+    expect(t.runs()).toBe(0)
+    // The store wakes up and grants the lease nobody waits for any more: it is given back.
+    hang = false
+    for (const grant of late) grant()
+    await new Promise((resolve) => setTimeout(resolve, 20))
+    expect(inner.leases).toBe(0)
+    expect((await t.post(key)).statusCode).toBe(201)
+  })
+
+  it('answers the client when storing hangs, and keeps the key from a second run', async () => {
+    const inner = new MemoryStorage()
+    let hang = true
+    const storage: IdempotencyStorage = {
+      begin: (k, f, l) => inner.begin(k, f, l),
+      complete: (k, t, r, e) => hang ? new Promise(() => {}) : inner.complete(k, t, r, e),
+      release: (k, t) => inner.release(k, t),
+      renew: (k, t, l) => inner.renew(k, t, l)
+    }
+    const t = await appWith(storage, { storeTimeout: 100, lockTimeout: 150 })
+    const key = newKey()
+    const started = Date.now()
+    expect((await t.post(key)).statusCode).toBe(201)
+    expect(Date.now() - started).toBeLessThan(1000)
+    await new Promise((resolve) => setTimeout(resolve, 300))
+    expect((await t.post(key)).statusCode).toBe(409)
+    hang = false
+    let retry = await t.post(key)
+    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
+      await new Promise((resolve) => setTimeout(resolve, 50))
+      retry = await t.post(key)
+    }
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(t.runs()).toBe(1)
+  })
+})

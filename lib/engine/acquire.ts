@@ -34,7 +34,10 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
   for (let attempt = 0; ; attempt++) {
     let result
     try {
-      result = await storage.begin(storageKey, fingerprint, settings.lockTimeout)
+      result = await engine.deadline.run('begin', () => storage.begin(storageKey, fingerprint, settings.lockTimeout), (late) => {
+        // Given up, then granted: give the lease back rather than block the key until it lapses.
+        if (late.state === 'acquired') Promise.resolve().then(() => storage.release(storageKey, late.token)).catch(() => {})
+      })
     } catch (error) {
       if (settings.failOpen) {
         reporter.report(state, 'store-error', { phase: 'begin', failOpen: true, error }, 'warn', 'idempotency store unavailable: running the handler without protection (failOpen)')
@@ -90,11 +93,12 @@ function retryAfter ({ durations }: RouteEngine, untilLeaseEnds: number): number
  * Wait for the lease holder to finish: on the store's own signal where it has one, otherwise by
  * polling with a back-off (25 ms doubling to 400 ms) that keeps the store's load bounded.
  */
-async function waitForLease ({ storage }: RouteEngine, storageKey: string, timeout: number, attempt: number): Promise<void> {
+async function waitForLease ({ storage, deadline }: RouteEngine, storageKey: string, timeout: number, attempt: number): Promise<void> {
   if (timeout <= 0) return
   if (storage.waitFor !== undefined) {
     try {
-      await storage.waitFor(storageKey, timeout)
+      // The wait itself may last `timeout`; the store's own part of it (subscribing) is bounded.
+      await deadline.run('waitFor', () => storage.waitFor!(storageKey, timeout))
       return
     } catch {
       // The store cannot wait right now (say, its subscriber connection is down): poll instead.
@@ -108,14 +112,14 @@ async function waitForLease ({ storage }: RouteEngine, storageKey: string, timeo
  * flight); the handler's writes and the stored response go into this transaction. `null` when it
  * is open, the refusal when it could not be opened (the lease is given back).
  */
-async function openTransaction ({ storage, reporter }: RouteEngine, state: RequestState): Promise<Acquisition | null> {
+async function openTransaction ({ storage, reporter, deadline }: RouteEngine, state: RequestState): Promise<Acquisition | null> {
   try {
-    state.transaction = await (storage as TransactionalStorage).transaction()
+    state.transaction = await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
     return null
   } catch (error) {
     state.settle()
     reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')
-    await storage.release(state.storageKey, state.token).catch(() => {})
+    await deadline.run('release', () => storage.release(state.storageKey, state.token)).catch(() => {})
     return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
   }
 }

@@ -34,6 +34,8 @@ export class RequestState implements RenewedLease {
   /** The stored response this request is answered with; set by `replay`. */
   replayed: StoredResponse | null = null
 
+  /** A `complete` given up on at storeTimeout went through after all. */
+  storedLate = false
   /** When the lease was acquired (epoch ms); renewal stops `maxLockHold` later. */
   acquiredAt = 0
   // Kept by LeaseRenewal while the lease is renewed.

@@ -7,6 +7,7 @@ import type { IdempotencyStorage } from '../storage/types.js'
 import { HandlerDurations } from './handler-durations.js'
 import { LeaseRenewal } from './lease-renewal.js'
 import { Reporter } from './report.js'
+import { StoreDeadline } from './store-deadline.js'
 import type { RequestState } from './request-state.js'
 
 export interface RouteEngine {
@@ -17,21 +18,24 @@ export interface RouteEngine {
   readonly renewal: LeaseRenewal<RequestState>
   /** How long this route's requests recently held their key (for Retry-After). */
   readonly durations: HandlerDurations
+  /** Bounds every call to the store by `storeTimeout`. */
+  readonly deadline: StoreDeadline
 }
 
 export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string): RouteEngine {
   const reporter = new Reporter(storage.constructor.name, route)
+  const deadline = new StoreDeadline(settings.storeTimeout)
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, settings.maxLockHold,
-    (state) => { renewLease(storage, settings, reporter, state) },
+    (state) => { renewLease(storage, settings, reporter, deadline, state) },
     (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') })
-  return { storage, settings, reporter, renewal, durations: new HandlerDurations() }
+  return { storage, settings, reporter, renewal, durations: new HandlerDurations(), deadline }
 }
 
 /** One renewal: the store extends the lease, or says it was lost. */
-function renewLease (storage: IdempotencyStorage, settings: RouteSettings, reporter: Reporter, state: RequestState): void {
-  // Through a promise, so a custom store that throws instead of rejecting cannot throw out of the
-  // shared timer (which would end the process).
-  Promise.resolve().then(() => storage.renew(state.storageKey, state.token, settings.lockTimeout)).then((held) => {
+function renewLease (storage: IdempotencyStorage, settings: RouteSettings, reporter: Reporter, deadline: StoreDeadline, state: RequestState): void {
+  // The deadline calls through a promise, so a custom store that throws instead of rejecting
+  // cannot throw out of the shared timer (which would end the process).
+  deadline.run('renew', () => storage.renew(state.storageKey, state.token, settings.lockTimeout)).then((held) => {
     if (held || state.phase !== 'held') return
     reporter.report(state, 'lease-lost', { phase: 'renew' }, 'warn', 'idempotency lease lost while the handler was running')
   }, (error: unknown) => {

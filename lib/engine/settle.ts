@@ -47,23 +47,31 @@ export async function settle (engine: RouteEngine, state: RequestState, statusCo
   return settlement
 }
 
-async function settleAlone ({ storage, settings, reporter }: RouteEngine, state: RequestState, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
+async function settleAlone (engine: RouteEngine, state: RequestState, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
+  const { storage, reporter, deadline } = engine
   if (response === null) {
     try {
-      await storage.release(state.storageKey, state.token)
+      await deadline.run('release', () => storage.release(state.storageKey, state.token))
     } catch (error) {
       reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but the key stays locked until its lease lapses')
     }
     return { stored: false, reason, deliverable: true }
   }
   try {
-    if (await storage.complete(state.storageKey, state.token, response, settings.expiration)) return STORED
+    if (await complete(engine, state, response)) return STORED
     reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response was stored: this response was not stored')
     return { stored: false, reason: 'lease-lost', deliverable: true }
   } catch (error) {
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency store failed to store the response after the handler ran: the response was sent, and storing is retried while the lease is held')
     return { stored: false, reason: 'store-error', deliverable: true, retrying: true }
   }
+}
+
+/** Store `response`, within storeTimeout; a call given up that still succeeds marks the state. */
+function complete ({ storage, settings, deadline }: RouteEngine, state: RequestState, response: StoredResponse): Promise<boolean> {
+  return deadline.run('complete', () => storage.complete(state.storageKey, state.token, response, settings.expiration), (stored) => {
+    if (stored) state.storedLate = true
+  })
 }
 
 /** First and longest pause between two attempts to store a response. */
@@ -77,14 +85,16 @@ const LAST_STORE_RETRY_MS = 2000
  * loudly, in the log and on the diagnostics channels).
  */
 async function keepStoring (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse): Promise<void> {
-  const { storage, settings, reporter, renewal } = engine
+  const { settings, reporter, renewal } = engine
   renewal.hold(state)
   let settlement: Settlement = { stored: false, reason: 'store-error', deliverable: true }
   for (let pause = FIRST_STORE_RETRY_MS; Date.now() - state.acquiredAt < settings.maxLockHold; pause = Math.min(pause * 2, LAST_STORE_RETRY_MS)) {
     // Unreferenced: a pending retry never keeps the process alive on its own.
     await sleep(pause, undefined, { ref: false })
     try {
-      if (await storage.complete(state.storageKey, state.token, response, settings.expiration)) {
+      // An attempt given up on may have gone through after all: the lease is then gone because
+      // the response is stored, not because it was lost.
+      if (state.storedLate || await complete(engine, state, response) || state.storedLate) {
         settlement = STORED
       } else {
         reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response could be stored: this response was not stored')
@@ -103,25 +113,25 @@ async function keepStoring (engine: RouteEngine, state: RequestState, statusCode
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
-async function settleTransaction ({ storage, settings, reporter }: RouteEngine, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, why: NotStoredReason): Promise<Settlement> {
+async function settleTransaction ({ storage, settings, reporter, deadline }: RouteEngine, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, why: NotStoredReason): Promise<Settlement> {
   let reason: NotStoredReason | undefined = response === null ? why : undefined
   try {
-    if (response !== null && await transaction.complete(state.storageKey, state.token, response, settings.expiration)) {
-      await transaction.commit()
+    if (response !== null && await deadline.run('complete', () => transaction.complete(state.storageKey, state.token, response, settings.expiration))) {
+      await deadline.run('commit', () => transaction.commit())
     } else {
       if (response !== null) {
         reason = 'lease-lost'
         reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before commit: the transaction was rolled back')
       }
-      await transaction.rollback()
+      await deadline.run('rollback', () => transaction.rollback())
     }
   } catch (error) {
     reason = response === null ? why : 'store-error'
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency transaction failed: rolled back')
-    await transaction.rollback().catch(() => {})
+    await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
   }
   if (reason === undefined) return STORED
-  await storage.release(state.storageKey, state.token).catch((error: unknown) => {
+  await deadline.run('release', () => storage.release(state.storageKey, state.token)).catch((error: unknown) => {
     reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency lease could not be released: the key stays locked until its lease lapses')
   })
   // An error answer rolled back is what the client expects; a success whose writes were rolled
