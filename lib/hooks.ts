@@ -56,12 +56,23 @@ interface Route {
   settings: RouteSettings
 }
 
-export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string): RouteHooks {
+/**
+ * Safe methods are never guarded: the IETF draft scopes the key to non-idempotent methods, and a
+ * client that sends a key on every request (some SDKs do) must not read a stored GET for a day.
+ */
+export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTIONS'])
+
+/** `safeMethods`: the route also answers GET, HEAD or OPTIONS, whose requests are never guarded. */
+export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods = false): RouteHooks {
   const engine = createRouteEngine(plugin.storage, settings, url)
   const route: Route = { engine, plugin, settings }
   const { headerName, headerLabel, maxKeyLength } = plugin
 
   function onRequest (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
+    if (safeMethods && SAFE_METHODS.has(request.method)) {
+      done()
+      return
+    }
     let key
     try {
       key = readIdempotencyKey(request.headers[headerName], headerLabel, maxKeyLength)

@@ -4,7 +4,7 @@
  */
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
-import { createRouteHooks, kState, type IdempotencyRequestContext } from './hooks.js'
+import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext } from './hooks.js'
 import { documentRoute } from './openapi.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
 import { MemoryStorage } from './storage/memory.js'
@@ -47,10 +47,19 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
     if (config === undefined) return
-    const method = Array.isArray(routeOptions.method) ? routeOptions.method.join(',') : routeOptions.method
-    const route = routeSettings(settings, config, `${method} ${routeOptions.url}`)
+    const methods = Array.isArray(routeOptions.method) ? routeOptions.method : [routeOptions.method]
+    const name = `${methods.join(',')} ${routeOptions.url}`
+    const route = routeSettings(settings, config, name)
     if (route === null) return
-    const hooks = createRouteHooks(settings, route, routeOptions.url)
+    const safe = methods.filter((method) => SAFE_METHODS.has(method))
+    if (safe.length === methods.length) {
+      // Fastify's automatic HEAD route of a GET route comes here too, with the GET's config.
+      if (!methods.every((method) => method === 'HEAD')) {
+        this.log.warn(`fastify-idempotency: route ${name} is not guarded: ${safe.join(', ')} requests are safe to retry as they are, so their Idempotency-Key is ignored`)
+      }
+      return
+    }
+    const hooks = createRouteHooks(settings, route, routeOptions.url, safe.length > 0)
     guarded.push(hooks)
     // Only when @fastify/swagger is there to read it: a header schema also means validation work.
     if (this.hasDecorator('swagger')) documentRoute(routeOptions, { ...settings, ...route })

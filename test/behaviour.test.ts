@@ -464,6 +464,33 @@ for (const store of cases) {
       expect(t.runs.get('/orders')).toBe(Object.keys(scopes).length)
     })
 
+    it('never stores nor replays GET, HEAD or OPTIONS under a key, also on a route declared with several methods', async () => {
+      const app = Fastify()
+      await app.register(idempotency, { storage })
+      app.setErrorHandler(idempotencyErrorHandler())
+      let reads = 0
+      let writes = 0
+      app.get('/balance', { config: { idempotency: true } }, async () => ({ balance: ++reads }))
+      app.route({ method: ['GET', 'POST', 'OPTIONS'], url: '/things', config: { idempotency: true }, handler: async (request) => request.method === 'POST' ? { write: ++writes } : { read: ++reads } })
+      await app.ready()
+      const key = newKey()
+      const send = (method: string, url: string) => app.inject({ method: method as 'GET', url, headers: { 'idempotency-key': key } })
+      // A client sending one key on every request reads fresh values, never a stored one.
+      for (const [method, url] of [['GET', '/balance'], ['HEAD', '/balance'], ['GET', '/balance'], ['GET', '/things'], ['OPTIONS', '/things'], ['HEAD', '/things'], ['GET', '/things']]) {
+        const res = await send(method!, url!)
+        expect(res.statusCode, `${method} ${url}`).toBe(200)
+        expect(res.headers['idempotent-replayed'], `${method} ${url}`).toBeUndefined()
+      }
+      expect(reads).toBe(7)
+      expect((await send('GET', '/balance')).json()).toEqual({ balance: 8 })
+      // The unsafe method of the same route is guarded, and the safe requests stored nothing under the key.
+      const post = await send('POST', '/things')
+      expect(post.json()).toEqual({ write: 1 })
+      expect((await send('POST', '/things')).headers['idempotent-replayed']).toBe('true')
+      expect(writes).toBe(1)
+      await app.close()
+    })
+
     it('replays a Buffer body and a streamed body byte for byte', async () => {
       const bytes = Buffer.from(Array.from({ length: 4096 }, (_, i) => (i * 7) % 256))
       const t = await app({}, {
