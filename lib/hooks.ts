@@ -49,6 +49,28 @@ export interface RouteHooks {
   stop: () => void
 }
 
+type Handler = (this: unknown, request: FastifyRequest, reply: FastifyReply) => unknown
+
+/**
+ * A guarded route's handler. An async handler that calls `reply.send()` without returning `reply`
+ * resolves with `undefined` while this plugin's onSend is still storing the response; Fastify then
+ * sends a second time (an empty body, then ERR_HTTP_HEADERS_SENT). Resolving with `reply` instead,
+ * as `return reply` does, makes Fastify wait for the response to finish.
+ */
+export function guardHandler (handler: Handler): Handler {
+  return function guardedHandler (this: unknown, request: FastifyRequest, reply: FastifyReply): unknown {
+    const result = handler.call(this, request, reply)
+    if (result === null || typeof result !== 'object' || typeof (result as PromiseLike<unknown>).then !== 'function') return result
+    return (result as PromiseLike<unknown>).then((value) => value === undefined && isSending(request) ? reply : value)
+  }
+}
+
+/** This request's response has reached the plugin's onSend, which is storing it. */
+function isSending (request: FastifyRequest): boolean {
+  const state = (request as GuardedRequest)[kState]
+  return state !== null && state.phase === 'settling'
+}
+
 /** One guarded route: its engine and its settings. */
 interface Route {
   engine: RouteEngine
@@ -129,7 +151,14 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const state = (request as GuardedRequest)[kState]
     if (state !== null) {
       if (state.settle()) {
-        settleResponse(route, reply, state, payload).then((sent) => { done(null, sent) }, done)
+        state.handedOn = settleResponse(route, reply, state, payload).then((sent) => { done(null, sent) }, done).catch(lateSend(reply))
+        return
+      }
+      if (state.handedOn !== null) {
+        // A second send of the same reply while the first is being stored: Fastify's own, when an
+        // async handler called reply.send() without returning reply and a slow onSend hook ran
+        // before ours. Without the plugin the first send is written first; so here too.
+        state.handedOn.then(() => { done(null, payload) }).catch(lateSend(reply))
         return
       }
       // Fastify gives a Buffer without a Content-Type one of its own; the original had none.
@@ -145,6 +174,14 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
   }
 
   return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError, stop: () => { engine.renewal.stop(); engine.deadline.stop() } }
+}
+
+/**
+ * Fastify could not write a response because one was written already (it warns of that itself):
+ * kept at debug level, and never a rejection nobody handles, which would end the process.
+ */
+function lateSend (reply: FastifyReply): (error: unknown) => void {
+  return (error) => { reply.log.debug({ err: error }, 'fastify-idempotency: a second send of this reply was not written') }
 }
 
 async function resolveScope (scope: (request: FastifyRequest) => string | Promise<string>, request: FastifyRequest): Promise<string> {
