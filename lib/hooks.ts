@@ -20,6 +20,7 @@ import { storageKey } from './engine/storage-key.js'
 import { IdempotencyFingerprintError, IdempotencyKeyMissingError, IdempotencyStoreUnavailableError } from './errors.js'
 import { computeFingerprint } from './fingerprint.js'
 import { readIdempotencyKey } from './key.js'
+import { replayResponse } from './replay.js'
 import type { PluginSettings, RouteSettings } from './options.js'
 import type { StoredResponse } from './storage/types.js'
 
@@ -131,7 +132,7 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
         run(route, guarded, reply, state)
         return undefined
       case 'replay':
-        replay(route, reply, acquisition.response)
+        await replayResponse(request, reply, acquisition.response, plugin.replayHeader)
         // Returning the reply tells Fastify the response is under way: without it, Fastify goes on
         // to the handler whenever the send is still pending (any asynchronous onSend hook).
         return reply
@@ -212,14 +213,6 @@ function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, s
     // frees the key once lockTimeout has passed instead of holding it for ever.
     engine.renewal.drop(state)
   })
-}
-
-function replay ({ plugin }: Route, reply: FastifyReply, response: StoredResponse): void {
-  reply.code(response.statusCode)
-  for (const name in response.headers) reply.header(name, response.headers[name])
-  if (response.contentType !== null) reply.header('content-type', response.contentType)
-  if (plugin.replayHeader !== null) reply.header(plugin.replayHeader, 'true')
-  reply.send(response.body)
 }
 
 /** The handler's response: store it (or give the key back) and hand on the payload to send. */

@@ -1,0 +1,49 @@
+/**
+ * Sending a stored response to a retry. The stored status, headers and body are the first
+ * answer's, with two exceptions that belong to the retry itself:
+ *
+ * - Headers the current request's own hooks have set already (CORS, request ids, rate limits, set
+ *   in onRequest or preHandler before the replay) win over stored ones.
+ * - A body stored encoded (when @fastify/compress ran before this plugin's onSend) is decoded when
+ *   the retry's Accept-Encoding does not accept that coding, so every retry gets what it asked
+ *   for whatever the order in which the plugins were registered.
+ */
+import { promisify } from 'node:util'
+import { brotliDecompress, gunzip, inflate } from 'node:zlib'
+import { negotiate } from '@fastify/accept-negotiator'
+import type { FastifyReply, FastifyRequest } from 'fastify'
+import type { StoredResponse } from './storage/types.js'
+
+const DECODERS: Readonly<Record<string, (body: Buffer) => Promise<Buffer>>> = {
+  gzip: promisify(gunzip),
+  'x-gzip': promisify(gunzip),
+  deflate: promisify(inflate),
+  br: promisify(brotliDecompress)
+}
+
+/**
+ * Set `reply` up to answer with `response` and send it. Resolves once the body is ready, which is
+ * at once unless it has to be decoded first.
+ */
+export async function replayResponse (request: FastifyRequest, reply: FastifyReply, response: StoredResponse, replayHeader: string | null): Promise<void> {
+  reply.code(response.statusCode)
+  const { headers } = response
+  for (const name in headers) {
+    if (!reply.hasHeader(name)) reply.header(name, headers[name])
+  }
+  if (response.contentType !== null) reply.header('content-type', response.contentType)
+  if (replayHeader !== null) reply.header(replayHeader, 'true')
+  const coding = headers['content-encoding']
+  reply.send(typeof coding === 'string' ? await acceptable(request, reply, coding, response.body) : response.body)
+}
+
+/** `body` as stored, if the request accepts `coding`; otherwise decoded (and the header dropped). */
+async function acceptable (request: FastifyRequest, reply: FastifyReply, coding: string, body: Buffer): Promise<Buffer> {
+  const decode = DECODERS[coding.trim().toLowerCase()]
+  const accepted = request.headers['accept-encoding']
+  // No Accept-Encoding: send identity, as @fastify/compress does (RFC 9110 would allow any coding,
+  // but a client that sends none, curl say, usually cannot decode one).
+  if (decode === undefined || (typeof accepted === 'string' && negotiate(accepted, [coding, 'identity']) === coding)) return body
+  reply.removeHeader('content-encoding')
+  return await decode(body)
+}

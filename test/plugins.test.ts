@@ -1,0 +1,109 @@
+/**
+ * Beside the @fastify plugins a real app registers, before and after this one, over real HTTP, on
+ * every store: a retry gets its own CORS headers and the content coding its Accept-Encoding asks
+ * for, whatever the order of registration.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { request as httpRequest, type IncomingHttpHeaders } from 'node:http'
+import { brotliDecompressSync, gunzipSync } from 'node:zlib'
+import Fastify, { type FastifyInstance } from 'fastify'
+import compress from '@fastify/compress'
+import cors from '@fastify/cors'
+import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
+import type { IdempotencyStorage } from '../lib/storage/types.js'
+import { newKey } from './helpers/app.js'
+import { storeCases } from './helpers/stores.js'
+
+const cases = await storeCases()
+
+interface Answer { status: number, headers: IncomingHttpHeaders, body: Buffer }
+
+/** A POST whose headers and raw answer are exactly what went over the wire (no automatic decoding). */
+function post (port: number, path: string, headers: Record<string, string>, body = '{"amount":42}'): Promise<Answer> {
+  return new Promise((resolve, reject) => {
+    const req = httpRequest({ host: '127.0.0.1', port, path, method: 'POST', headers: { 'content-type': 'application/json', ...headers } }, (res) => {
+      const chunks: Buffer[] = []
+      res.on('data', (chunk: Buffer) => chunks.push(chunk))
+      res.on('end', () => { resolve({ status: res.statusCode ?? 0, headers: res.headers, body: Buffer.concat(chunks) }) })
+    })
+    req.on('error', reject)
+    req.end(body)
+  })
+}
+
+function decoded (answer: Answer): string {
+  const coding = answer.headers['content-encoding']
+  if (coding === 'gzip') return gunzipSync(answer.body).toString()
+  if (coding === 'br') return brotliDecompressSync(answer.body).toString()
+  return answer.body.toString()
+}
+
+/** The order of registration: the other plugin before this one, or after. */
+type Order = 'before' | 'after'
+
+async function serve (storage: IdempotencyStorage, register: (app: FastifyInstance) => Promise<void>, order: Order): Promise<{ app: FastifyInstance, port: number }> {
+  const app = Fastify()
+  if (order === 'before') await register(app)
+  await app.register(idempotency, { storage })
+  if (order === 'after') await register(app)
+  app.setErrorHandler(idempotencyErrorHandler())
+  let runs = 0
+  // Long enough for @fastify/compress (threshold 1024 bytes by default) to compress it.
+  app.post('/payments', { config: { idempotency: true } }, async (request, reply) => {
+    reply.code(201)
+    return { run: ++runs, request: request.body, receipt: 'r'.repeat(2000) }
+  })
+  await app.listen({ host: '127.0.0.1', port: 0 })
+  return { app, port: (app.server.address() as { port: number }).port }
+}
+
+for (const store of cases) {
+  describe.skipIf(!store.available)(`with the usual @fastify plugins, on ${store.name}${store.reason}`, () => {
+    let storage: IdempotencyStorage
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
+
+    for (const order of ['before', 'after'] as const) {
+      it(`@fastify/cors registered ${order}: a retry from another origin gets its own Access-Control-Allow-Origin`, async () => {
+        const { app, port } = await serve(storage, async (app) => { await app.register(cors, { origin: true, exposedHeaders: ['Idempotent-Replayed', 'Retry-After'] }) }, order)
+        try {
+          const key = newKey()
+          const first = await post(port, '/payments', { origin: 'https://shop.example', 'idempotency-key': key })
+          expect(first.status).toBe(201)
+          expect(first.headers['access-control-allow-origin']).toBe('https://shop.example')
+          const retry = await post(port, '/payments', { origin: 'https://admin.example', 'idempotency-key': key })
+          expect(retry.headers['idempotent-replayed']).toBe('true')
+          expect(retry.headers['access-control-allow-origin']).toBe('https://admin.example')
+          expect(retry.headers['access-control-expose-headers']).toBe('Idempotent-Replayed, Retry-After')
+          expect(retry.body.equals(first.body)).toBe(true)
+        } finally {
+          await app.close()
+        }
+      })
+
+      it(`@fastify/compress registered ${order}: every retry gets the coding its Accept-Encoding asks for, the same body`, async () => {
+        const { app, port } = await serve(storage, async (app) => { await app.register(compress, { encodings: ['br', 'gzip'] }) }, order)
+        try {
+          const key = newKey()
+          const first = await post(port, '/payments', { 'accept-encoding': 'br', 'idempotency-key': key })
+          expect(first.status).toBe(201)
+          expect(first.headers['content-encoding']).toBe('br')
+          const text = decoded(first)
+          expect(JSON.parse(text).run).toBe(1)
+          // Whichever coding the retry gets, it is one it accepts (q > 0), and the body is the same.
+          for (const [accept, allowed] of [['identity', [undefined]], ['gzip', ['gzip']], ['br', ['br']], ['gzip;q=0.5, br;q=0.1', ['gzip', 'br']], ['gzip, br;q=0', ['gzip']]] as const) {
+            const retry = await post(port, '/payments', { 'accept-encoding': accept, 'idempotency-key': key })
+            expect(retry.headers['idempotent-replayed'], accept).toBe('true')
+            expect(allowed, accept).toContain(retry.headers['content-encoding'])
+            expect(decoded(retry), accept).toBe(text)
+          }
+          const plain = await post(port, '/payments', { 'idempotency-key': key })
+          expect(plain.headers['content-encoding']).toBeUndefined()
+          expect(plain.body.toString()).toBe(text)
+        } finally {
+          await app.close()
+        }
+      })
+    }
+  })
+}
