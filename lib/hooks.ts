@@ -50,6 +50,8 @@ export interface RouteHooks {
   stop: () => void
 }
 
+const NOT_MODIFIED = 304
+
 type Handler = (this: unknown, request: FastifyRequest, reply: FastifyReply) => unknown
 
 /**
@@ -219,7 +221,10 @@ function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, s
 async function settleResponse (route: Route, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
   const { engine, settings, plugin: { excludedHeaders } } = route
   const statusCode = reply.statusCode
-  if (state.failed || !settings.cacheable.has(statusCode)) {
+  // A 304 is kept whatever the cacheable set: the handler ran and succeeded, and a conditional-
+  // request plugin (@fastify/etag) answered 304 after it. Releasing the key would let a retry run
+  // the operation again; the retry gets the 304 the first client got.
+  if (state.failed || !(settings.cacheable.has(statusCode) || statusCode === NOT_MODIFIED)) {
     await settle(engine, state, statusCode, null, state.failed ? 'failed' : 'not-cacheable')
     return payload
   }

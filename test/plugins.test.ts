@@ -9,6 +9,7 @@ import { brotliDecompressSync, gunzipSync } from 'node:zlib'
 import Fastify, { type FastifyInstance } from 'fastify'
 import compress from '@fastify/compress'
 import cors from '@fastify/cors'
+import etag from '@fastify/etag'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
@@ -41,7 +42,7 @@ function decoded (answer: Answer): string {
 /** The order of registration: the other plugin before this one, or after. */
 type Order = 'before' | 'after'
 
-async function serve (storage: IdempotencyStorage, register: (app: FastifyInstance) => Promise<void>, order: Order): Promise<{ app: FastifyInstance, port: number }> {
+async function serve (storage: IdempotencyStorage, register: (app: FastifyInstance) => Promise<void>, order: Order): Promise<{ app: FastifyInstance, port: number, charges: () => number }> {
   const app = Fastify()
   if (order === 'before') await register(app)
   await app.register(idempotency, { storage })
@@ -53,8 +54,15 @@ async function serve (storage: IdempotencyStorage, register: (app: FastifyInstan
     reply.code(201)
     return { run: ++runs, request: request.body, receipt: 'r'.repeat(2000) }
   })
+  // A charge whose answer is the same every time, so its ETag is too.
+  let charges = 0
+  app.post('/charge', { config: { idempotency: true } }, async (_request, reply) => {
+    charges++
+    reply.code(201)
+    return { charged: true }
+  })
   await app.listen({ host: '127.0.0.1', port: 0 })
-  return { app, port: (app.server.address() as { port: number }).port }
+  return { app, port: (app.server.address() as { port: number }).port, charges: () => charges }
 }
 
 for (const store of cases) {
@@ -64,6 +72,28 @@ for (const store of cases) {
     afterAll(async () => { await store.cleanup() })
 
     for (const order of ['before', 'after'] as const) {
+      it(`@fastify/etag registered ${order}: a POST turned into 304 after the handler ran does not free the key for a second run`, async () => {
+        const { app, port, charges } = await serve(storage, async (app) => { await app.register(etag) }, order)
+        try {
+          const first = await post(port, '/charge', { 'idempotency-key': newKey() })
+          expect(first.status).toBe(201)
+          const tag = String(first.headers.etag)
+          // Another operation whose answer has the same ETag, sent with If-None-Match: the handler
+          // charges, then @fastify/etag answers 304.
+          const key = newKey()
+          const conditional = await post(port, '/charge', { 'idempotency-key': key, 'if-none-match': tag })
+          expect(conditional.status).toBe(304)
+          expect(charges()).toBe(2)
+          const retry = await post(port, '/charge', { 'idempotency-key': key, 'if-none-match': tag })
+          expect(retry.status).toBe(304)
+          expect(retry.headers['idempotent-replayed']).toBe('true')
+          expect(retry.headers.etag).toBe(tag)
+          expect(charges()).toBe(2)
+        } finally {
+          await app.close()
+        }
+      })
+
       it(`@fastify/cors registered ${order}: a retry from another origin gets its own Access-Control-Allow-Origin`, async () => {
         const { app, port } = await serve(storage, async (app) => { await app.register(cors, { origin: true, exposedHeaders: ['Idempotent-Replayed', 'Retry-After'] }) }, order)
         try {
