@@ -103,8 +103,11 @@ export class IdempotencyFingerprintError extends IdempotencyError {
   static override readonly title = 'Idempotency fingerprint failed'
   readonly code = 'FST_IDEMPOTENCY_FINGERPRINT_FAILED'
 
-  constructor (idempotencyKey: string, cause: unknown) {
-    super('The request body could not be fingerprinted (for example, JSON nested too deeply); simplify it or send it without an Idempotency-Key.', 400, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+  /** `nestedTooDeeply`: the body is nested too deeply to canonicalize; otherwise it holds a value that cannot be. */
+  constructor (idempotencyKey: string, cause: unknown, nestedTooDeeply = true) {
+    super(nestedTooDeeply
+      ? 'The request body could not be fingerprinted: it is nested too deeply. Simplify it or send it without an Idempotency-Key.'
+      : 'The request body could not be fingerprinted: it holds a value that has no canonical form. Send it without an Idempotency-Key.', 400, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
   }
 }
 

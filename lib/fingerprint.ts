@@ -10,15 +10,20 @@
 import { createHash, hash } from 'node:crypto'
 import canonicalizeModule from 'canonicalize'
 import type { FastifyRequest } from 'fastify'
+import { canonicalValue } from './canonical-value.js'
 
 /** Which parts of a request make up its fingerprint. Plain data, validated at register time. */
 export interface FingerprintOptions {
   /**
    * The request body (default `true`). JSON bodies are canonicalized (RFC 8785: key order and
-   * white space do not matter); other bodies count by their bytes. An object selects JSON members
-   * by JSON Pointer (RFC 6901): `include` fingerprints only those, `exclude` all but those.
+   * white space do not matter); other bodies count by their bytes; a body another parser made
+   * (a form, multipart with `attachFieldsToBody`) by a canonical form of its value, file bytes
+   * included. An object selects JSON members by JSON Pointer (RFC 6901): `include` fingerprints
+   * only those, `exclude` all but those. `'raw'` hashes the request's bytes as they came over the
+   * wire, before any parser: for uploads read by the handler (multipart in stream mode) and
+   * custom parsers.
    */
-  body?: boolean | { include?: string[], exclude?: string[] }
+  body?: boolean | 'raw' | { include?: string[], exclude?: string[] }
   /** The HTTP method (default `false`). */
   method?: boolean
   /** The request path, without the query string (default `false`). */
@@ -34,6 +39,8 @@ export interface FingerprintOptions {
 /** FingerprintOptions normalized once, at register or route time. */
 export interface FingerprintSettings {
   body: boolean
+  /** `body: 'raw'`: the body counts by a hash of its raw bytes (see raw-body.ts). */
+  raw: boolean
   include: string[][] | null
   exclude: string[][] | null
   method: boolean
@@ -64,6 +71,7 @@ export function normalizeFingerprint (options: FingerprintOptions = {}): Fingerp
   const headers = [...new Set((options.headers ?? []).map((name) => name.toLowerCase()))].sort()
   const settings = {
     body: bodyOption !== false,
+    raw: bodyOption === 'raw',
     include: include?.map(parsePointer) ?? null,
     exclude: exclude?.map(parsePointer) ?? null,
     method: options.method ?? false,
@@ -72,7 +80,8 @@ export function normalizeFingerprint (options: FingerprintOptions = {}): Fingerp
     contentType: options.contentType ?? false,
     headers
   }
-  const tag = JSON.stringify([VERSION, settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, headers])
+  // `raw` only when set, so the tags (and fingerprints) of every other option set stay as they were.
+  const tag = JSON.stringify([VERSION, settings.raw ? 'raw' : settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, headers])
   return { ...settings, tag, tagPart: `t${Buffer.byteLength(tag)}:${tag}` }
 }
 
@@ -153,14 +162,19 @@ function selectMembers (body: unknown, settings: FingerprintSettings): unknown {
 const JSON_TYPE = /^application\/(?:[\w.+-]+\+)?json\b/i
 
 function writeBody (out: Encoder, body: unknown, contentType: string | undefined, settings: FingerprintSettings): void {
+  const json = contentType !== undefined && JSON_TYPE.test(contentType)
   if (body === undefined) {
     out.raw('n')
-  } else if (Buffer.isBuffer(body) || (typeof body === 'string' && !(contentType !== undefined && JSON_TYPE.test(contentType)))) {
+  } else if (Buffer.isBuffer(body) || (typeof body === 'string' && !json)) {
     // Bytes as received: a text or binary body, or whatever a custom parser left as a Buffer.
     out.part('r', body)
-  } else {
+  } else if (json) {
     // A parsed JSON value (a JSON string body included, so it differs from the same text as text/plain).
     out.part('j', canonicalize(selectMembers(body, settings)) ?? '')
+  } else {
+    // Another parser's value: the same text as canonicalize for what JSON can hold (so a form body
+    // fingerprints as it always did), and cycles, Buffers and streams handled.
+    out.part('j', canonicalValue(selectMembers(body, settings)))
   }
 }
 
@@ -191,7 +205,8 @@ function writeHeader (out: Encoder, value: string | string[] | undefined): void 
   }
 }
 
-export function computeFingerprint (request: FastifyRequest, settings: FingerprintSettings): string {
+/** `rawBody`: the hash of the raw body bytes (raw-body.ts), with `body: 'raw'` or for a body no parser read. */
+export function computeFingerprint (request: FastifyRequest, settings: FingerprintSettings, rawBody?: string): string {
   const out = new Encoder()
   out.raw(settings.tagPart)
   if (settings.method) out.part('m', request.method)
@@ -203,6 +218,7 @@ export function computeFingerprint (request: FastifyRequest, settings: Fingerpri
   const contentType = request.headers['content-type']
   if (settings.contentType) writeHeader(out, contentType?.trim().toLowerCase())
   for (const name of settings.headers) writeHeader(out, request.headers[name])
-  if (settings.body) writeBody(out, request.body, contentType, settings)
+  if (rawBody !== undefined) out.part('R', rawBody)
+  else if (settings.body) writeBody(out, request.body, contentType, settings)
   return out.digest()
 }

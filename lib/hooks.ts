@@ -11,6 +11,7 @@
  * Hooks are created per route from that route's settings, so nothing here looks options up.
  */
 import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
+import { BodyNestedTooDeeplyError } from './canonical-value.js'
 import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
 import { acquire } from './engine/acquire.js'
 import { RequestState } from './engine/request-state.js'
@@ -20,6 +21,7 @@ import { storageKey } from './engine/storage-key.js'
 import { IdempotencyFingerprintError, IdempotencyKeyMissingError, IdempotencyStoreUnavailableError } from './errors.js'
 import { computeFingerprint } from './fingerprint.js'
 import { readIdempotencyKey } from './key.js'
+import { RawBodyHash } from './raw-body.js'
 import { replayResponse } from './replay.js'
 import type { PluginSettings, RouteSettings } from './options.js'
 import type { StoredResponse } from './storage/types.js'
@@ -111,7 +113,9 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     }
     const guarded = request as GuardedRequest
     guarded.idempotency = { key, transaction: undefined }
-    guarded[kState] = new RequestState(key, request.method, request.log)
+    const state = new RequestState(key, request.method, request.log)
+    if (settings.fingerprint.raw) state.rawBody = new RawBodyHash(request.raw).tap()
+    guarded[kState] = state
     done()
   }
 
@@ -119,12 +123,17 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const guarded = request as GuardedRequest
     const state = guarded[kState]
     if (state === null) return undefined
+    // A body no parser read (multipart in stream mode, whose reader is the handler) counts by its raw bytes.
+    if (state.rawBody === null && settings.fingerprint.body && request.body === undefined && RawBodyHash.unread(request.raw)) {
+      state.rawBody = new RawBodyHash(request.raw)
+    }
+    const rawBody = state.rawBody === null ? undefined : await state.rawBody.digest(request.routeOptions.bodyLimit)
     let fingerprint
     try {
-      fingerprint = computeFingerprint(request, settings.fingerprint)
+      fingerprint = computeFingerprint(request, settings.fingerprint, rawBody)
     } catch (error) {
       // Canonicalizing recurses: JSON nested deep enough overflows the stack. A 400, not a 500.
-      throw new IdempotencyFingerprintError(state.key, error)
+      throw new IdempotencyFingerprintError(state.key, error, error instanceof RangeError || error instanceof BodyNestedTooDeeplyError)
     }
     // Without a scope there is nothing to await: no promise on the path of every request.
     const scope = settings.scope === null ? null : await resolveScope(settings.scope, request)

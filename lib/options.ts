@@ -146,6 +146,7 @@ export const fingerprintSchema = {
     body: {
       anyOf: [
         { type: 'boolean' },
+        { const: 'raw' },
         {
           type: 'object',
           additionalProperties: false,

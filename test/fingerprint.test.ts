@@ -1,7 +1,13 @@
 import { describe, expect, it } from 'vitest'
 import { createHash } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
+import { Readable } from 'node:stream'
+import canonicalizeModule from 'canonicalize'
+import fc from 'fast-check'
+import { BodyNestedTooDeeplyError, canonicalValue, MAX_DEPTH } from '../lib/canonical-value.js'
 import { computeFingerprint, normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint.js'
+
+const canonicalize = canonicalizeModule as unknown as (input: unknown) => string
 
 function request (parts: { body?: unknown, method?: string, url?: string, headers?: Record<string, string | string[]> }): FastifyRequest {
   return { body: parts.body, method: parts.method ?? 'POST', url: parts.url ?? '/orders', headers: parts.headers ?? {} } as unknown as FastifyRequest
@@ -124,5 +130,33 @@ describe('fingerprint', () => {
     const body = { a: 1, meta: { sentAt: 1 } }
     fp({ body }, { body: { exclude: ['/meta/sentAt'] } })
     expect(body).toEqual({ a: 1, meta: { sentAt: 1 } })
+  })
+})
+
+describe('canonicalValue (bodies other parsers made)', () => {
+  it('writes exactly what canonicalize writes for every JSON value', () => {
+    fc.assert(fc.property(fc.jsonValue(), (value) => {
+      expect(canonicalValue(value)).toBe(canonicalize(value))
+    }), { numRuns: 300 })
+  })
+
+  it('handles cycles, Buffers, streams and functions, and tells different file bytes apart', () => {
+    const entry = (bytes: Buffer) => {
+      const body: Record<string, unknown> = { note: { value: 'monthly' } }
+      body.file = { type: 'file', filename: 'a.bin', _buf: bytes, file: Readable.from([]), fields: body, toBuffer: async () => bytes }
+      return body
+    }
+    const one = canonicalValue(entry(Buffer.from('one')))
+    expect(one).toBe(canonicalValue(entry(Buffer.from('one'))))
+    expect(one).not.toBe(canonicalValue(entry(Buffer.from('two'))))
+    expect(one).toContain('\u0000r2')
+    expect(one).toContain('\u0000s')
+    expect(one).not.toContain('toBuffer')
+  })
+
+  it('refuses a body nested deeper than its limit with an error of its own', () => {
+    let deep: unknown = {}
+    for (let i = 0; i < MAX_DEPTH + 5; i++) deep = { deep }
+    expect(() => canonicalValue(deep)).toThrow(BodyNestedTooDeeplyError)
   })
 })

@@ -34,6 +34,8 @@ export class RequestState implements RenewedLease {
   /** The stored response this request is answered with; set by `replay`. */
   replayed: StoredResponse | null = null
 
+  /** With `fingerprint: { body: 'raw' }`: the hash of the raw body, as it is read (for the hooks). */
+  rawBody: { digest: (limit: number) => Promise<string> } | null = null
   /** Resolves once this request's response has been handed on to Fastify after settling (for the hooks). */
   handedOn: Promise<void> | null = null
   /** A `complete` given up on at storeTimeout went through after all. */

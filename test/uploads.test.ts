@@ -1,0 +1,140 @@
+/**
+ * Uploads and bodies the plugin cannot see parsed, over real HTTP, on every store: @fastify/multipart
+ * in stream mode (the handler reads the body) and with attachFieldsToBody (a circular body),
+ * @fastify/formbody, and a custom parser with `fingerprint: { body: 'raw' }`.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { createHash } from 'node:crypto'
+import Fastify, { type FastifyInstance } from 'fastify'
+import formbody from '@fastify/formbody'
+import multipart from '@fastify/multipart'
+import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
+import type { IdempotencyStorage } from '../lib/storage/types.js'
+import { newKey } from './helpers/app.js'
+import { storeCases } from './helpers/stores.js'
+
+const cases = await storeCases()
+
+const sha = (bytes: Buffer): string => createHash('sha256').update(bytes).digest('hex')
+/** A file larger than a socket read and a stream's buffer, so reading it ahead really reads. */
+const file = (fill: number): Buffer => Buffer.alloc(300_000, fill)
+
+interface Answer { status: number, body: { sha?: string, size?: number, type?: string, [name: string]: unknown }, replayed: string | null }
+
+async function send (url: string, key: string, body: FormData | URLSearchParams | string, headers: Record<string, string> = {}): Promise<Answer> {
+  const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, ...headers }, body })
+  return { status: res.status, body: await res.json() as Answer['body'], replayed: res.headers.get('idempotent-replayed') }
+}
+
+function upload (bytes: Buffer, name = 'receipt.bin'): FormData {
+  const form = new FormData()
+  form.append('note', 'monthly')
+  form.append('file', new Blob([bytes]), name)
+  return form
+}
+
+async function serve (storage: IdempotencyStorage, setup: (app: FastifyInstance) => Promise<void>): Promise<{ app: FastifyInstance, url: string, runs: () => number }> {
+  const app = Fastify({ bodyLimit: 2 * 1024 * 1024 })
+  await app.register(idempotency, { storage })
+  app.setErrorHandler(idempotencyErrorHandler())
+  await setup(app)
+  await app.listen({ host: '127.0.0.1', port: 0 })
+  return { app, url: `http://127.0.0.1:${(app.server.address() as { port: number }).port}`, runs: () => runs }
+}
+let runs = 0
+
+for (const store of cases) {
+  describe.skipIf(!store.available)(`uploads and other parsers, on ${store.name}${store.reason}`, () => {
+    let storage: IdempotencyStorage
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
+
+    /** The same file is one operation; another file under the same key is refused; the handler saw every byte. */
+    async function expectTrueFingerprint (url: string, before: number, count: () => number): Promise<void> {
+      const key = newKey()
+      const first = await send(url, key, upload(file(1)))
+      expect(first.status).toBe(201)
+      expect(first.body).toMatchObject({ sha: sha(file(1)), size: 300_000 })
+      const again = await send(url, key, upload(file(1)))
+      expect(again.replayed).toBe('true')
+      expect(again.body).toEqual(first.body)
+      const other = await send(url, key, upload(file(2)))
+      expect(other.status).toBe(409)
+      expect(other.body.type).toMatch(/#fingerprint-mismatch$/)
+      expect(count() - before).toBe(1)
+    }
+
+    it('@fastify/multipart in stream mode: the handler reads the whole file, and another file under the same key is a mismatch', async () => {
+      const { app, url, runs: count } = await serve(storage, async (app) => {
+        await app.register(multipart)
+        app.post('/uploads', { config: { idempotency: true } }, async (request, reply) => {
+          runs++
+          const part = await request.file()
+          const bytes = await part!.toBuffer()
+          reply.code(201)
+          return { sha: sha(bytes), size: bytes.length, name: part!.filename }
+        })
+      })
+      try {
+        await expectTrueFingerprint(`${url}/uploads`, count(), count)
+      } finally {
+        await app.close()
+      }
+    })
+
+    it('@fastify/multipart with attachFieldsToBody: a circular body is fingerprinted, file bytes included', async () => {
+      const { app, url, runs: count } = await serve(storage, async (app) => {
+        await app.register(multipart, { attachFieldsToBody: true })
+        app.post('/uploads', { config: { idempotency: true } }, async (request, reply) => {
+          runs++
+          const body = request.body as { file: { toBuffer: () => Promise<Buffer>, filename: string }, note: { value: string } }
+          const bytes = await body.file.toBuffer()
+          reply.code(201)
+          return { sha: sha(bytes), size: bytes.length, note: body.note.value }
+        })
+      })
+      try {
+        await expectTrueFingerprint(`${url}/uploads`, count(), count)
+      } finally {
+        await app.close()
+      }
+    })
+
+    it('@fastify/formbody: a form body fingerprints by its fields', async () => {
+      const { app, url } = await serve(storage, async (app) => {
+        await app.register(formbody)
+        app.post('/forms', { config: { idempotency: true } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
+      })
+      try {
+        const key = newKey()
+        expect((await send(`${url}/forms`, key, new URLSearchParams({ amount: '10', currency: 'eur' }))).status).toBe(201)
+        expect((await send(`${url}/forms`, key, new URLSearchParams({ currency: 'eur', amount: '10' }))).replayed).toBe('true')
+        expect((await send(`${url}/forms`, key, new URLSearchParams({ amount: '11', currency: 'eur' }))).status).toBe(409)
+      } finally {
+        await app.close()
+      }
+    })
+
+    it("fingerprint: { body: 'raw' }: a custom parser's value counts by the bytes that came over the wire", async () => {
+      const { app, url } = await serve(storage, async (app) => {
+        // A parser that keeps only part of the body: two different bodies parse to the same value.
+        app.addContentTypeParser('application/x-order', { parseAs: 'string' }, (_request, body, done) => { done(null, { kind: String(body).split(';')[0] }) })
+        app.post('/raw', { config: { idempotency: { fingerprint: { body: 'raw' } } } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
+        app.post('/parsed', { config: { idempotency: true } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
+      })
+      try {
+        const headers = { 'content-type': 'application/x-order' }
+        const raw = newKey()
+        expect((await send(`${url}/raw`, raw, 'refund;amount=10', headers)).status).toBe(201)
+        expect((await send(`${url}/raw`, raw, 'refund;amount=10', headers)).replayed).toBe('true')
+        expect((await send(`${url}/raw`, raw, 'refund;amount=99', headers)).status).toBe(409)
+        // The parsed value alone cannot tell the two apart.
+        const parsed = newKey()
+        expect((await send(`${url}/parsed`, parsed, 'refund;amount=10', headers)).status).toBe(201)
+        expect((await send(`${url}/parsed`, parsed, 'refund;amount=99', headers)).replayed).toBe('true')
+      } finally {
+        await app.close()
+      }
+    })
+  })
+}
