@@ -45,7 +45,8 @@ function withKeyHeader (headers: unknown, settings: DocumentedSettings): unknown
   // A schema of another shape ($ref, a combinator) is the application's own: leave it alone.
   if (!isPlainObjectSchema(headers) || !isPlainObjectSchema(headers.properties)) return headers
   const properties = headers.properties
-  if (Object.keys(properties).some((name) => name.toLowerCase() === name)) return headers
+  // Declared by the route itself (in any case): its own description wins.
+  if (Object.keys(properties).some((declared) => declared.toLowerCase() === name)) return headers
   const existing = Array.isArray(headers.required) ? headers.required as string[] : []
   return { ...headers, properties: { ...properties, [name]: property }, ...(required.length > 0 ? { required: [...existing, ...required] } : {}) }
 }

@@ -60,4 +60,24 @@ describe('OpenAPI through @fastify/swagger', () => {
     expect(missing.statusCode).toBe(400)
     expect(missing.json().type).toMatch(/#key-missing$/)
   })
+
+  it('documents the key on routes with their own headers schema, whatever the case of its names, and never twice', async () => {
+    const app = Fastify()
+    await app.register(swagger, { openapi: { info: { title: 'orders', version: '1' } } })
+    await app.register(idempotency, { required: true })
+    const auth = { type: 'object', properties: { authorization: { type: 'string' } }, required: ['authorization'] }
+    app.post('/lower', { config: { idempotency: true }, schema: { headers: auth } }, async () => ({}))
+    app.post('/mixed', { config: { idempotency: true }, schema: { headers: { type: 'object', properties: { 'X-Tenant': { type: 'string' } } } } }, async () => ({}))
+    app.post('/declared', { config: { idempotency: true }, schema: { headers: { type: 'object', properties: { 'idempotency-key': { type: 'string', description: 'ours' } } } } }, async () => ({}))
+    await app.ready()
+    const paths = app.swagger().paths as Record<string, { post: Operation }>
+    for (const path of ['/lower', '/mixed', '/declared']) {
+      const keys = (paths[path]!.post.parameters ?? []).filter((p) => p.in === 'header' && p.name.toLowerCase() === 'idempotency-key')
+      expect(keys, path).toHaveLength(1)
+    }
+    expect(paths['/lower']!.post.parameters).toContainEqual(expect.objectContaining({ in: 'header', name: 'authorization', required: true }))
+    expect(paths['/lower']!.post.parameters).toContainEqual(expect.objectContaining({ in: 'header', name: 'idempotency-key', required: true }))
+    expect(auth).toEqual({ type: 'object', properties: { authorization: { type: 'string' } }, required: ['authorization'] })
+    await app.close()
+  })
 })
