@@ -107,6 +107,7 @@ export { idempotencyErrorHandler, toProblem } from './error-handler.js'
 export type { ErrorHandler, IdempotencyErrorHandlerOptions, IdempotencyProblem } from './error-handler.js'
 export { CHANNEL_PREFIX, channels } from './diagnostics.js'
 export type { IdempotencyEvent, IdempotencyOutcome } from './diagnostics.js'
+export { scopeByHeader } from './scope.js'
 export { MemoryStorage } from './storage/memory.js'
 export type { MemoryStorageOptions } from './storage/memory.js'
 export type {
