@@ -1,7 +1,8 @@
 /**
  * A TCP proxy on a free loopback port in front of a real server, which a test can cut (every
- * connection reset, new ones refused) and restore, to stage an outage without touching the
- * shared server.
+ * connection reset, new ones refused) or hang (every connection, old and new, accepted and never
+ * answered: a server that is up but does not respond) and restore, to stage an outage without
+ * touching the shared server.
  */
 import { createServer, connect, type Server, type Socket } from 'node:net'
 
@@ -9,6 +10,11 @@ export interface Proxy {
   port: number
   /** Reset every open connection and refuse new ones until `restore`. */
   cut: () => void
+  /**
+   * Forward nothing either way until `restore`, which delivers what waited, in order (a server
+   * paused, then resumed); new connections are accepted and wait too.
+   */
+  hang: () => void
   restore: () => void
   close: () => Promise<void>
 }
@@ -16,11 +22,10 @@ export interface Proxy {
 export async function startProxy (targetHost: string, targetPort: number): Promise<Proxy> {
   const sockets = new Set<Socket>()
   let down = false
-  const server: Server = createServer((client) => {
-    if (down) {
-      client.resetAndDestroy()
-      return
-    }
+  let hung = false
+  /** Connections accepted while hung, forwarded once restored. */
+  const held = new Set<Socket>()
+  const forward = (client: Socket): void => {
     const upstream = connect({ host: targetHost, port: targetPort })
     sockets.add(client)
     sockets.add(upstream)
@@ -34,6 +39,19 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
     upstream.on('error', drop).on('close', drop)
     client.pipe(upstream)
     upstream.pipe(client)
+  }
+  const server: Server = createServer((client) => {
+    if (down) {
+      client.resetAndDestroy()
+      return
+    }
+    if (hung) {
+      client.pause()
+      held.add(client)
+      client.on('error', () => {}).on('close', () => held.delete(client))
+      return
+    }
+    forward(client)
   })
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
   return {
@@ -43,10 +61,22 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
       for (const socket of sockets) socket.resetAndDestroy()
       sockets.clear()
     },
-    restore: () => { down = false },
+    hang: () => {
+      hung = true
+      // Nothing is read from either side: what is sent waits in the sockets' buffers.
+      for (const socket of sockets) socket.pause()
+    },
+    restore: () => {
+      down = false
+      if (!hung) return
+      hung = false
+      for (const socket of sockets) socket.resume()
+      for (const client of held) forward(client)
+      held.clear()
+    },
     close: async () => {
       down = true
-      for (const socket of sockets) socket.destroy()
+      for (const socket of [...sockets, ...held]) socket.destroy()
       await new Promise<void>((resolve) => server.close(() => resolve()))
     }
   }

@@ -1,0 +1,138 @@
+/**
+ * A store that accepts connections and never answers, on each real store through a proxy that
+ * hangs, and Redis down under ioredis's default options (which queue commands and reconnect for
+ * over a minute): the client gets 503 problem+json within storeTimeout, and the server keeps
+ * answering other requests meanwhile.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { Redis, type RedisOptions } from 'ioredis'
+import knexFactory, { type Knex } from 'knex'
+import Fastify, { type FastifyInstance } from 'fastify'
+import idempotency, { idempotencyErrorHandler, type IdempotencyStorage } from '../lib/index.js'
+import { RedisStorage } from '../lib/storage/redis.js'
+import { KnexStorage } from '../lib/storage/knex.js'
+import { dropIdempotencyTable } from '../lib/storage/knex-schema.js'
+import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { startProxy, type Proxy } from './helpers/proxy.js'
+import { newKey } from './helpers/app.js'
+
+const STORE_TIMEOUT = 300
+/** storeTimeout, the deadline check's granularity (an eighth of it), and time to answer. */
+const IN_TIME = STORE_TIMEOUT * 9 / 8 + 400
+const stamp = `${process.pid}_${Date.now()}`
+
+interface Target {
+  name: string
+  availability: Availability
+  server: { host: string, port: number }
+  connect: (port: number) => { storage: IdempotencyStorage, dispose: () => Promise<void> }
+}
+
+function redisTarget (name: string, availability: Availability, options: RedisOptions): Target {
+  return {
+    name,
+    availability,
+    server: REDIS,
+    connect: (port) => {
+      const client = new Redis({ host: '127.0.0.1', port, ...options })
+      client.on('error', () => {})
+      const prefix = `hung:${stamp}:${name}:`
+      return {
+        storage: new RedisStorage({ client, prefix }),
+        dispose: async () => {
+          await deleteRedisPrefix(client, prefix).catch(() => {})
+          client.disconnect()
+        }
+      }
+    }
+  }
+}
+
+function sqlTarget (name: string, availability: Availability, client: 'pg' | 'mysql2', base: Record<string, unknown>, config: typeof POSTGRES): Target {
+  return {
+    name,
+    availability,
+    server: config,
+    connect: (port) => {
+      const knex: Knex = knexFactory({ client, connection: { ...base, port } })
+      const table = `hung_${name}_${stamp}`
+      return {
+        storage: new KnexStorage({ knex, tableName: table, createTable: true }),
+        dispose: async () => {
+          await dropIdempotencyTable(knex, table).catch(() => {})
+          await knex.destroy()
+        }
+      }
+    }
+  }
+}
+
+const [redis, postgres, mariadb] = await Promise.all([service(REDIS), service(POSTGRES), service(MARIADB)])
+const targets: Target[] = [
+  // ioredis's defaults: an offline queue and 20 reconnection attempts per command.
+  redisTarget('redis, default client options', redis, {}),
+  redisTarget('redis, fail-fast options', redis, { enableAutoPipelining: true, maxRetriesPerRequest: 1, commandTimeout: 2000 }),
+  sqlTarget('postgres', postgres, 'pg', pgConnection, POSTGRES),
+  sqlTarget('mariadb', mariadb, 'mysql2', mysqlConnection, MARIADB)
+]
+
+for (const target of targets) {
+  describe.skipIf(!target.availability.available)(`a hung ${target.name}${target.availability.reason}`, () => {
+    let proxy: Proxy
+    let storage: IdempotencyStorage
+    let dispose: () => Promise<void>
+    let app: FastifyInstance
+    let runs = 0
+
+    beforeAll(async () => {
+      proxy = await startProxy(target.server.host, target.server.port)
+      ;({ storage, dispose } = target.connect(proxy.port))
+      app = Fastify()
+      await app.register(idempotency, { storage, storeTimeout: STORE_TIMEOUT })
+      app.setErrorHandler(idempotencyErrorHandler())
+      app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; reply.code(201); return { run: runs } })
+      app.get('/health', async () => ({ ok: true }))
+      await app.ready()
+      // The store works before it hangs (and SQL stores create their table).
+      expect((await post(newKey())).statusCode).toBe(201)
+    })
+    afterAll(async () => {
+      await app.close()
+      proxy.restore()
+      await dispose()
+      await proxy.close()
+    })
+
+    const post = (key: string) => app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { a: 1 } })
+
+    for (const mode of ['hang', 'cut'] as const) {
+      it(`answers 503 problem+json within storeTimeout when the server ${mode === 'hang' ? 'accepts connections and never answers' : 'refuses connections'}, and serves other requests meanwhile`, async () => {
+        const before = runs
+        proxy[mode]()
+        try {
+          const started = Date.now()
+          const guarded = Array.from({ length: 5 }, () => post(newKey()).then((res) => ({ res, ms: Date.now() - started })))
+          const health = await app.inject('/health')
+          const healthMs = Date.now() - started
+          expect(health.statusCode).toBe(200)
+          expect(healthMs).toBeLessThan(STORE_TIMEOUT)
+          for (const { res, ms } of await Promise.all(guarded)) {
+            expect(res.statusCode).toBe(503)
+            expect(res.headers['content-type']).toMatch(/^application\/problem\+json/)
+            expect(ms).toBeLessThan(IN_TIME)
+          }
+          expect(runs).toBe(before)
+        } finally {
+          proxy.restore()
+        }
+        // And it recovers without a restart once the server answers again.
+        let res = await post(newKey())
+        for (let attempt = 0; attempt < 40 && res.statusCode === 503; attempt++) {
+          await new Promise((resolve) => setTimeout(resolve, 100))
+          res = await post(newKey())
+        }
+        expect(res.statusCode).toBe(201)
+      })
+    }
+  })
+}
