@@ -3,8 +3,8 @@ import { defineConfig } from 'tsup'
 export default defineConfig({
   entry: {
     index: 'lib/index.ts',
-    redis: 'lib/storage/redis.ts',
-    knex: 'lib/storage/knex.ts',
+    redis: 'lib/redis.ts',
+    knex: 'lib/knex.ts',
     conformance: 'lib/storage/conformance.ts'
   },
   format: ['esm', 'cjs'],

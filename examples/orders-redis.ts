@@ -5,7 +5,7 @@
  */
 import { Redis } from 'ioredis'
 // In an application of your own: from 'fastify-idempotency/redis'.
-import { RedisStorage } from '../lib/storage/redis.js'
+import { RedisStorage } from '../lib/redis.js'
 import { openDatabase, runExample } from './orders-app.js'
 
 const host = process.env.REDIS_HOST ?? '127.0.0.1'

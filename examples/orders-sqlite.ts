@@ -4,7 +4,7 @@
  * the keys. `npm run example:sqlite -- --self-test` drives it over HTTP and exits.
  */
 // In an application of your own: from 'fastify-idempotency/knex'.
-import { KnexStorage } from '../lib/storage/knex.js'
+import { KnexStorage } from '../lib/knex.js'
 import { openDatabase, runExample } from './orders-app.js'
 
 const db = openDatabase(process.argv.includes('--self-test'))

@@ -10,7 +10,7 @@ import Fastify from 'fastify'
 import knexFactory from 'knex'
 // In an application of your own: from 'fastify-idempotency' and 'fastify-idempotency/knex'.
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
-import { KnexStorage, transactionOf } from '../lib/storage/knex.js'
+import { KnexStorage, transactionOf } from '../lib/knex.js'
 
 const selfTest = process.argv.includes('--self-test')
 const dir = mkdtempSync(join(tmpdir(), 'orders-transaction-'))

@@ -46,8 +46,8 @@ const PARALLEL_RUNS = 3
 /** The package's entry points, as package.json exports them, and their sources. */
 const ENTRY_POINTS: Record<string, string> = {
   'fastify-idempotency': 'lib/index.js',
-  'fastify-idempotency/redis': 'lib/storage/redis.js',
-  'fastify-idempotency/knex': 'lib/storage/knex.js',
+  'fastify-idempotency/redis': 'lib/redis.js',
+  'fastify-idempotency/knex': 'lib/knex.js',
   'fastify-idempotency/conformance': 'lib/storage/conformance.js'
 }
 

@@ -5,9 +5,9 @@
 import { afterAll, describe, expect, it } from 'vitest'
 import { Redis } from 'ioredis'
 import knexFactory from 'knex'
-import { KnexStorage } from '../lib/storage/knex.js'
-import { dropIdempotencyTable } from '../lib/storage/knex-schema.js'
-import { RedisStorage } from '../lib/storage/redis.js'
+import { KnexStorage } from '../lib/knex.js'
+import { dropIdempotencyTable } from '../lib/knex.js'
+import { RedisStorage } from '../lib/redis.js'
 import { buildApp, newKey } from './helpers/app.js'
 import { POSTGRES, REDIS, deleteRedisPrefix, pgConnection, service } from './helpers/services.js'
 

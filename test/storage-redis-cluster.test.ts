@@ -2,7 +2,7 @@ import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vites
 import { Cluster, Redis } from 'ioredis'
 import type { ClusterOptions } from 'ioredis'
 import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
-import { RedisStorage } from '../lib/storage/redis.js'
+import { RedisStorage } from '../lib/redis.js'
 import type { StoredResponse } from '../lib/storage/types.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 

@@ -6,7 +6,7 @@ import fastifyRedis from '@fastify/redis'
 import { Redis } from 'ioredis'
 import type { RedisOptions } from 'ioredis'
 import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
-import { RedisStorage } from '../lib/storage/redis.js'
+import { RedisStorage } from '../lib/redis.js'
 import type { StoredResponse } from '../lib/storage/types.js'
 import { REDIS, service } from './helpers/services.js'
 

@@ -5,7 +5,7 @@
 import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type StorageTransaction, type StoredResponse, type TransactionalStorage } from '../lib/index.js'
-import { transactionOf } from '../lib/storage/knex.js'
+import { transactionOf } from '../lib/knex.js'
 import { newKey } from './helpers/app.js'
 
 type Failure = 'none' | 'commit' | 'lease'

@@ -18,7 +18,7 @@ import idempotency, {
   type IdempotencyStorage,
   type StoredResponse
 } from '../lib/index.js'
-import { transactionOf } from '../lib/storage/knex.js'
+import { transactionOf } from '../lib/knex.js'
 import type { Knex } from 'knex'
 
 describe('public types', () => {

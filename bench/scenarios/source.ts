@@ -7,8 +7,8 @@ import { existsSync } from 'node:fs'
 import { fileURLToPath, pathToFileURL } from 'node:url'
 
 type Core = typeof import('../../lib/index.js')
-type RedisModule = typeof import('../../lib/storage/redis.js')
-type KnexModule = typeof import('../../lib/storage/knex.js')
+type RedisModule = typeof import('../../lib/redis.js')
+type KnexModule = typeof import('../../lib/knex.js')
 
 export const source: 'lib' | 'dist' = process.env.BENCH_SOURCE === 'dist' ? 'dist' : 'lib'
 
@@ -25,10 +25,10 @@ export async function loadCore (): Promise<Core> {
 
 export async function loadRedisStorage (): Promise<RedisModule> {
   if (source === 'dist') return await import(distFile('redis')) as RedisModule
-  return await import('../../lib/storage/redis.js')
+  return await import('../../lib/redis.js')
 }
 
 export async function loadKnexStorage (): Promise<KnexModule> {
   if (source === 'dist') return await import(distFile('knex')) as KnexModule
-  return await import('../../lib/storage/knex.js')
+  return await import('../../lib/knex.js')
 }

@@ -1,6 +1,8 @@
-import { randomBytes } from 'node:crypto'
 import { LRUCache } from 'lru-cache'
+import { duration } from './durations.js'
+import { TokenGenerator } from './tokens.js'
 import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+import { KeyWaiters } from './waiters.js'
 
 export interface MemoryStorageOptions {
   /** Most stored responses kept; the least recently used goes first. Default 100 000. */
@@ -57,11 +59,9 @@ export class MemoryStorage implements IdempotencyStorage {
   readonly #leases = new Map<string, Lease>()
   readonly #entries: LRUCache<string, Entry>
   readonly #now: () => number
-  /** Callbacks of requests waiting for a key's lease to end (see `waitFor`). */
-  readonly #waiters = new Map<string, Set<() => void>>()
-  /** Tokens are this instance's random prefix and a counter: unique, and cheaper than a UUID each. */
-  readonly #tokenPrefix = randomBytes(12).toString('base64url')
-  #tokens = 0
+  /** Requests waiting for a key's lease to end (see `waitFor`). */
+  readonly #waiters = new KeyWaiters()
+  readonly #tokens = new TokenGenerator()
   /** Stored responses since the last full sweep; every 16th also looks at the oldest entries. */
   #writesSinceSweep = 0
 
@@ -96,6 +96,7 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   async begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult> {
+    const length = duration('MemoryStorage', 'lockTimeout', lockTimeout)
     const now = this.#now()
     const entry = this.#entries.get(key)
     if (entry !== undefined) {
@@ -106,12 +107,13 @@ export class MemoryStorage implements IdempotencyStorage {
     if (lease !== undefined && lease.expiresAt > now) {
       return { state: 'in-flight', fingerprint: lease.fingerprint, lockExpiresAt: lease.expiresAt }
     }
-    const token = this.#tokenPrefix + (++this.#tokens).toString(36)
-    this.#leases.set(key, { token, fingerprint, expiresAt: now + lockTimeout })
+    const token = this.#tokens.next()
+    this.#leases.set(key, { token, fingerprint, expiresAt: now + length })
     return { state: 'acquired', token }
   }
 
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
+    const ttl = duration('MemoryStorage', 'expiration', expiration)
     const now = this.#now()
     const lease = this.#heldLease(key, token, now)
     if (lease === undefined) return false
@@ -120,7 +122,7 @@ export class MemoryStorage implements IdempotencyStorage {
     // and keeping the slice would keep the whole slab alive, unseen by `maxBytes`.
     const body = Buffer.allocUnsafeSlow(response.body.length)
     response.body.copy(body)
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: now + expiration })
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: now + ttl })
     this.#notify(key)
     if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
     else if (this.#writesSinceSweep % OLDEST_CHECK_EVERY_WRITES === 0) this.#dropOldestExpired(now)
@@ -135,9 +137,10 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
+    const ms = duration('MemoryStorage', 'lockTimeout', lockTimeout)
     const lease = this.#heldLease(key, token)
     if (lease === undefined) return false
-    lease.expiresAt = this.#now() + lockTimeout
+    lease.expiresAt = this.#now() + ms
     return true
   }
 
@@ -146,29 +149,17 @@ export class MemoryStorage implements IdempotencyStorage {
     if (lease === undefined) return
     const wait = Math.min(timeout, lease.expiresAt - this.#now())
     if (wait <= 0) return
-    await new Promise<void>((resolve) => {
-      let waiters = this.#waiters.get(key)
-      if (waiters === undefined) this.#waiters.set(key, (waiters = new Set()))
-      const done = (): void => {
-        clearTimeout(timer)
-        waiters.delete(done)
-        if (waiters.size === 0 && this.#waiters.get(key) === waiters) this.#waiters.delete(key)
-        resolve()
-      }
-      const timer = setTimeout(done, wait)
-      waiters.add(done)
-    })
+    await this.#waiters.add(key, wait).promise
   }
 
   async close (): Promise<void> {
-    for (const waiters of this.#waiters.values()) for (const done of waiters) done()
+    this.#waiters.wakeAll()
     this.#leases.clear()
     this.#entries.clear()
   }
 
   #notify (key: string): void {
-    const waiters = this.#waiters.get(key)
-    if (waiters !== undefined) for (const done of waiters) done()
+    this.#waiters.wake(key)
   }
 
   #heldLease (key: string, token: string, now = this.#now()): Lease | undefined {

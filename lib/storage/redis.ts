@@ -1,7 +1,10 @@
 import { isUtf8 } from 'node:buffer'
-import { createHash, randomBytes } from 'node:crypto'
+import { createHash } from 'node:crypto'
 import type { Cluster, Redis } from 'ioredis'
+import { duration } from './durations.js'
+import { TOKEN_LENGTH, TokenGenerator } from './tokens.js'
 import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+import { KeyWaiters, type Waiter } from './waiters.js'
 
 export interface RedisStorageOptions {
   /**
@@ -16,7 +19,7 @@ export interface RedisStorageOptions {
 /*
  * One string per idempotency key, whose first byte says what it holds:
  *
- *   lease:  'L' <fence: 36 chars> <waiters: '-' or 'W'> <lease end: epoch ms> '|' <fingerprint>
+ *   lease:  'L' <token: 36 chars> <waiters: '-' or 'W'> <lease end: epoch ms> '|' <fingerprint>
  *   entry:  'C' <fingerprint length> '|' <fingerprint> <head length> '|' <head> <body bytes>
  *
  * where head is the JSON `[status, contentType, headers]` (lengths in bytes, in decimal)
@@ -29,22 +32,21 @@ export interface RedisStorageOptions {
  * Redis drops both on time.
  *
  * Complete and release (one script) and renew first compare the lease's first 37 bytes
- * ('L' + fence). The token `begin` hands out is the fence followed by the fingerprint, so
+ * ('L' + token). What `begin` hands out as the token is that token followed by the fingerprint, so
  * `complete` builds the whole entry on the client and the script only compares and SETs.
  * A request waiting for the key (`waitFor`, possibly in another process) turns the waiters byte
  * into 'W'; only then do complete and release PUBLISH on the key's channel, so a key nobody
  * waits for costs no PUBLISH (which in Redis Cluster goes to every node).
  */
 
-const FENCE_LENGTH = 36
-const LEASE_PREFIX_LENGTH = 1 + FENCE_LENGTH
+const LEASE_PREFIX_LENGTH = 1 + TOKEN_LENGTH
 
 // Lua strings count from 1: the lease prefix is bytes 1..37, the waiters byte is byte 38.
 const PREFIX_END = LEASE_PREFIX_LENGTH
 const WAITERS_BYTE = LEASE_PREFIX_LENGTH + 1
 
 // Ends a lease: stores the entry when one is given (complete), deletes the key otherwise
-// (release). ARGV: lease prefix ('L' .. fence), channel, [entry, expiration ms].
+// (release). ARGV: lease prefix ('L' .. token), channel, [entry, expiration ms].
 const END_LEASE_LUA = `
 local head = redis.call('GETRANGE', KEYS[1], 0, ${PREFIX_END})
 if string.sub(head, 1, ${PREFIX_END}) ~= ARGV[1] then
@@ -148,26 +150,19 @@ function escapeChar (char: string): string {
   return '%u' + char.charCodeAt(0).toString(16).toUpperCase()
 }
 
-// PEXPIRE refuses fractions, and a zero or negative TTL would delete the key at once.
-const MAX_TTL = 2 ** 47
-function ttl (ms: number, what: string): number {
-  if (ms >= 1 && ms <= MAX_TTL) return Math.ceil(ms)
-  throw new RangeError(`RedisStorage: ${what} must be a number of milliseconds from 1 to ${MAX_TTL}, got ${ms}`)
-}
-
 /** What the scripts compare a lease's first LEASE_PREFIX_LENGTH bytes with. */
 function leasePrefix (token: string): string {
-  return 'L' + token.slice(0, FENCE_LENGTH)
+  return 'L' + token.slice(0, TOKEN_LENGTH)
 }
 
-function decodeBegin (value: Buffer | null, fence: string, fingerprint: string): BeginResult {
-  if (value === null) return { state: 'acquired', token: fence + fingerprint }
+function decodeBegin (value: Buffer | null, token: string, fingerprint: string): BeginResult {
+  if (value === null) return { state: 'acquired', token: token + fingerprint }
   const bar = value.indexOf(BAR, 1)
   if (value[0] === LEASE) {
     return {
       state: 'in-flight',
       fingerprint: value.toString('latin1', bar + 1),
-      // After the fence and the waiters byte.
+      // After the token and the waiters byte.
       lockExpiresAt: Number(value.toString('latin1', LEASE_PREFIX_LENGTH + 1, bar))
     }
   }
@@ -205,12 +200,12 @@ export class RedisStorage implements IdempotencyStorage {
   readonly #client: ScriptingClient
   readonly #setNxGet: SetNxGet
   readonly #open: string
-  /** Fences are this instance's random prefix (128 bits) and a counter: unique, and cheaper than a UUID each. */
-  readonly #fencePrefix = randomBytes(16).toString('base64url')
-  #fences = 0
+  readonly #tokens = new TokenGenerator()
   #subscriber: Promise<Subscriber> | null = null
-  /** Per channel, the callbacks of the requests waiting on it. */
-  readonly #waiters = new Map<string, Set<(error?: unknown) => void>>()
+  /** Requests waiting, per channel; the last one gone unsubscribes from it. */
+  readonly #waiters = new KeyWaiters((channel) => {
+    void this.#subscriber?.then((connection) => connection.unsubscribe(channel)).catch(() => {})
+  })
 
   constructor (options: RedisStorageOptions) {
     const client = options?.client as unknown as ScriptingClient | undefined
@@ -238,17 +233,18 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   async begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult> {
-    const fence = this.#fencePrefix + (++this.#fences).toString(36).padStart(FENCE_LENGTH - this.#fencePrefix.length, '0')
-    const lease = `L${fence}-${Date.now() + lockTimeout}|${fingerprint}`
-    const value = await this.#setNxGet(this.redisKey(key), lease, 'PX', ttl(lockTimeout, 'lockTimeout'), 'NX', 'GET')
-    return decodeBegin(value, fence, fingerprint)
+    const ms = duration('RedisStorage', 'lockTimeout', lockTimeout)
+    const token = this.#tokens.next()
+    const lease = `L${token}-${Date.now() + ms}|${fingerprint}`
+    const value = await this.#setNxGet(this.redisKey(key), lease, 'PX', ms, 'NX', 'GET')
+    return decodeBegin(value, token, fingerprint)
   }
 
-  /** The token is the fence and the fingerprint the lease was taken with (see `begin`). */
+  /** The token is the lease's own token and the fingerprint the lease was taken with (see `begin`). */
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const redisKey = this.redisKey(key)
-    const entry = encodeEntry(token.slice(FENCE_LENGTH), response)
-    return await END_LEASE.run(this.#client, redisKey, leasePrefix(token), this.#channel(redisKey), entry, ttl(expiration, 'expiration')) === 1
+    const entry = encodeEntry(token.slice(TOKEN_LENGTH), response)
+    return await END_LEASE.run(this.#client, redisKey, leasePrefix(token), this.#channel(redisKey), entry, duration('RedisStorage', 'expiration', expiration)) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
@@ -257,7 +253,8 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
-    return await RENEW.run(this.#client, this.redisKey(key), leasePrefix(token), Date.now() + lockTimeout, ttl(lockTimeout, 'lockTimeout')) === 1
+    const ms = duration('RedisStorage', 'lockTimeout', lockTimeout)
+    return await RENEW.run(this.#client, this.redisKey(key), leasePrefix(token), Date.now() + ms, ms) === 1
   }
 
   /**
@@ -269,38 +266,29 @@ export class RedisStorage implements IdempotencyStorage {
     const redisKey = this.redisKey(key)
     const channel = this.#channel(redisKey)
     const subscriber = this.#subscriber ??= this.#subscribe()
-    let waiters = this.#waiters.get(channel)
-    const first = waiters === undefined
-    if (waiters === undefined) this.#waiters.set(channel, (waiters = new Set()))
-    let wake!: (error?: unknown) => void
-    const woken = new Promise<void>((resolve, reject) => { wake = (error) => (error === undefined ? resolve() : reject(error)) })
-    const done = (error?: unknown): void => {
-      clearTimeout(timer)
-      waiters.delete(done)
-      if (waiters.size === 0 && this.#waiters.get(channel) === waiters) {
-        this.#waiters.delete(channel)
-        void subscriber.then((connection) => connection.unsubscribe(channel)).catch(() => {})
-      }
-      wake(error)
-    }
-    const timer = setTimeout(done, timeout)
-    waiters.add(done)
+    const first = !this.#waiters.has(channel)
+    const waiter = this.#waiters.add(channel, timeout)
+    void this.#watch(subscriber, first, channel, redisKey, waiter)
+    await waiter.promise
+  }
+
+  /** Subscribe (once per channel), then mark the lease; settles the waiter if there is none. */
+  async #watch (subscriber: Promise<Subscriber>, first: boolean, channel: string, redisKey: string, waiter: Waiter): Promise<void> {
     try {
       if (first) await (await subscriber).subscribe(channel)
       // Subscribed: an end from now on is heard (the mark makes the holder publish it). One that
       // came before is seen here: there is no lease left to mark.
-      if (await MARK_WAITING.run(this.#client, redisKey) === 0) done()
+      if (await MARK_WAITING.run(this.#client, redisKey) === 0) waiter.settle()
     } catch (error) {
-      done(error)
+      waiter.settle(error)
     }
-    return woken
   }
 
   /** Ends the subscriber connection this storage opened; the client itself belongs to the caller. */
   async close (): Promise<void> {
     const subscriber = this.#subscriber
     this.#subscriber = null
-    for (const waiters of this.#waiters.values()) for (const done of waiters) done()
+    this.#waiters.wakeAll()
     if (subscriber !== null) (await subscriber.catch(() => null))?.disconnect()
   }
 
@@ -310,17 +298,14 @@ export class RedisStorage implements IdempotencyStorage {
 
   async #subscribe (): Promise<Subscriber> {
     const connection = (this.#client as unknown as Redis).duplicate() as Subscriber
-    connection.on('message', (channel: unknown) => {
-      const waiters = this.#waiters.get(String(channel))
-      if (waiters !== undefined) for (const done of waiters) done()
-    })
+    connection.on('message', (channel: unknown) => { this.#waiters.wake(String(channel)) })
     // A broken subscriber fails the waits in progress (the plugin then polls) and is replaced on
     // the next wait; its errors must not go unhandled.
     connection.on('error', () => {})
     connection.on('end', () => {
       if (this.#subscriber === null) return
       this.#subscriber = null
-      for (const waiters of this.#waiters.values()) for (const done of waiters) done(new Error('RedisStorage: subscriber connection ended'))
+      this.#waiters.wakeAll(new Error('RedisStorage: subscriber connection ended'))
     })
     return connection
   }

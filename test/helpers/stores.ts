@@ -9,9 +9,9 @@ import { Redis } from 'ioredis'
 import knexFactory, { type Knex } from 'knex'
 import type { IdempotencyStorage } from '../../lib/storage/types.js'
 import { MemoryStorage } from '../../lib/storage/memory.js'
-import { RedisStorage } from '../../lib/storage/redis.js'
-import { KnexStorage } from '../../lib/storage/knex.js'
-import { dropIdempotencyTable } from '../../lib/storage/knex-schema.js'
+import { RedisStorage } from '../../lib/redis.js'
+import { KnexStorage } from '../../lib/knex.js'
+import { dropIdempotencyTable } from '../../lib/knex.js'
 import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service } from './services.js'
 
 export interface StoreCase {

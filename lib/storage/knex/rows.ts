@@ -1,0 +1,97 @@
+/**
+ * Between KnexStorage and the drivers: keys as bytes, rows as results, and values as pg, mysql2
+ * and better-sqlite3 return them (a BIGINT may come back as a number, a numeric string or a bigint).
+ */
+import type { Knex } from 'knex'
+import type { BeginResult } from '../types.js'
+import { MAX_KEY_BYTES } from './schema.js'
+
+/** A row as the drivers return it. */
+export interface Row {
+  fingerprint: string
+  state: string
+  token?: string | null
+  lease_end: unknown
+  status_code: unknown
+  content_type: string | null
+  headers: string | null
+  body: unknown
+}
+
+/** The columns a result is built from, as a SELECT list and as knex's column array. */
+export const COLUMNS = 'fingerprint, state, lease_end, status_code, content_type, headers, body'
+export const READ_COLUMNS = ['fingerprint', 'state', 'lease_end', 'status_code', 'content_type', 'headers', 'body']
+
+const LONE_SURROGATE = /\p{Surrogate}/u
+
+/** The key as the table stores it: its UTF-8 bytes, compared exactly on every dialect. */
+export function encodeKey (key: string): Buffer {
+  if (typeof key !== 'string') throw new TypeError('KnexStorage: the key must be a string')
+  // UTF-8 would turn a lone surrogate into U+FFFD, and two different keys into one row.
+  if (LONE_SURROGATE.test(key)) throw new TypeError('KnexStorage: the key is not well-formed Unicode (lone surrogate)')
+  const bytes = Buffer.from(key, 'utf8')
+  if (bytes.length > MAX_KEY_BYTES) {
+    throw new TypeError(`KnexStorage: the key is ${bytes.length} bytes in UTF-8; the table holds at most ${MAX_KEY_BYTES}`)
+  }
+  return bytes
+}
+
+/** BIGINT as the drivers return it (number, numeric string from pg, bigint) -> number. */
+export function millis (value: unknown): number {
+  const result = typeof value === 'number' ? value : Number(value as string | bigint)
+  if (!Number.isSafeInteger(result)) throw new Error(`KnexStorage: unexpected time value ${String(value)}`)
+  return result
+}
+
+export function toBuffer (value: unknown): Buffer {
+  if (Buffer.isBuffer(value)) return value
+  if (value === null || value === undefined) return Buffer.alloc(0)
+  if (value instanceof Uint8Array) return Buffer.from(value.buffer, value.byteOffset, value.byteLength)
+  throw new Error(`KnexStorage: unexpected body type ${typeof value}`)
+}
+
+/** A live row as what `begin` returns for it. */
+export function toResult (row: Row): BeginResult {
+  if (row.state === 'completed') {
+    return {
+      state: 'completed',
+      fingerprint: row.fingerprint,
+      response: {
+        statusCode: Number(row.status_code),
+        contentType: row.content_type ?? null,
+        headers: row.headers === null ? {} : JSON.parse(row.headers),
+        body: toBuffer(row.body)
+      }
+    }
+  }
+  if (row.state === 'in_flight') {
+    return { state: 'in-flight', fingerprint: row.fingerprint, lockExpiresAt: millis(row.lease_end) }
+  }
+  throw new Error(`KnexStorage: unexpected state ${JSON.stringify(row.state)} in the idempotency table`)
+}
+
+/** The row as a live result, or `undefined` when it vanished or died since an upsert saw it. */
+export async function readLive (db: Knex, table: string, id: Buffer, now: number): Promise<BeginResult | undefined> {
+  const row = await db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhere('expires_at', '>', now) as Row | undefined
+  return row === undefined ? undefined : toResult(row)
+}
+
+/** Longest error message (and `sql`) passed on; see `trimmed`. */
+const MAX_ERROR_TEXT = 2048
+
+/**
+ * knex writes the statement with its values into the error message, and mysql2 adds it as `sql`:
+ * for a failed `complete` that is the whole body, hex-encoded, and it would end up in the logs.
+ * The message keeps its start (the statement) and its end (the server's reason).
+ */
+export function trimmed (error: unknown): unknown {
+  if (error instanceof Error) {
+    const half = MAX_ERROR_TEXT / 2
+    if (error.message.length > MAX_ERROR_TEXT) {
+      error.message = `${error.message.slice(0, half)} … (${error.message.length - MAX_ERROR_TEXT} characters cut) … ${error.message.slice(-half)}`
+    }
+    const withSql = error as Error & { sql?: unknown }
+    if (typeof withSql.sql === 'string' && withSql.sql.length > MAX_ERROR_TEXT) withSql.sql = `${withSql.sql.slice(0, MAX_ERROR_TEXT)} … (cut)`
+  }
+  return error
+}
