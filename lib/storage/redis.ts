@@ -26,8 +26,8 @@ export interface RedisStorageOptions {
  *
  * so that `begin` is Redis's own `SET key <lease> PX <lockTimeout> NX GET`: it takes the lease
  * when the key is free and otherwise returns what is there, in one native command and one round
- * trip, with no script. A replay then costs what a GET costs, plus the lease value sent along.
- * (A hash read by a Lua script, the first design, cost twice a GET's client CPU per replay.)
+ * trip, with no script. A replay then costs what a GET costs, plus the lease value sent along
+ * (a hash read by a Lua script, the first design, cost far more: see bench/analysis.md).
  * The key's PX expiry is the lease while in flight and the entry's lifetime once completed, so
  * Redis drops both on time.
  *
@@ -97,8 +97,8 @@ interface ScriptingClient {
  * A script sent as `EVALSHA`, and as `EVAL` (which also loads it into the server) the first time
  * on each client and whenever the server answers NOSCRIPT: after a restart, a failover or a
  * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Called directly rather than
- * through ioredis's `defineCommand`, whose wrapper (an extra promise, a callback adapter and a
- * rejection hook per call) cost about a third more client CPU per call.
+ * through ioredis's `defineCommand`, whose wrapper adds an extra promise, a callback adapter and a
+ * rejection hook to every call (what that cost is in bench/analysis.md).
  */
 class Script {
   readonly #lua: string
@@ -182,8 +182,8 @@ function decodeBegin (value: Buffer | null, token: string, fingerprint: string):
 /**
  * The whole entry value, as END_LEASE_LUA stores it. A string when the body is valid UTF-8 (a
  * JSON body always is): it encodes back to the same bytes, and ioredis writes a command of
- * strings in one piece, where a Buffer argument costs it several copies (measured: its command
- * encoding took five times as long). Any other body goes as bytes.
+ * strings in one piece, where a Buffer argument costs it several copies (bench/analysis.md). Any
+ * other body goes as bytes.
  */
 function encodeEntry (fingerprint: string, response: StoredResponse): string | Buffer {
   const head = JSON.stringify([response.statusCode, response.contentType, response.headers] satisfies Head)
