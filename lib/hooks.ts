@@ -54,28 +54,6 @@ export interface RouteHooks {
 
 const NOT_MODIFIED = 304
 
-type Handler = (this: unknown, request: FastifyRequest, reply: FastifyReply) => unknown
-
-/**
- * A guarded route's handler. An async handler that calls `reply.send()` without returning `reply`
- * resolves with `undefined` while this plugin's onSend is still storing the response; Fastify then
- * sends a second time (an empty body, then ERR_HTTP_HEADERS_SENT). Resolving with `reply` instead,
- * as `return reply` does, makes Fastify wait for the response to finish.
- */
-export function guardHandler (handler: Handler): Handler {
-  return function guardedHandler (this: unknown, request: FastifyRequest, reply: FastifyReply): unknown {
-    const result = handler.call(this, request, reply)
-    if (result === null || typeof result !== 'object' || typeof (result as PromiseLike<unknown>).then !== 'function') return result
-    return (result as PromiseLike<unknown>).then((value) => value === undefined && isSending(request) ? reply : value)
-  }
-}
-
-/** This request's response has reached the plugin's onSend, which is storing it. */
-function isSending (request: FastifyRequest): boolean {
-  const state = (request as GuardedRequest)[kState]
-  return state !== null && state.phase === 'settling'
-}
-
 /** One guarded route: its engine and its settings. */
 interface Route {
   engine: RouteEngine
@@ -142,11 +120,13 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
       case 'run':
         run(route, guarded, reply, state)
         return undefined
-      case 'replay':
-        await replayResponse(request, reply, acquisition.response, plugin.replayHeader)
+      case 'replay': {
+        const decoding = replayResponse(request, reply, acquisition.response, plugin.replayHeader)
+        if (decoding !== undefined) await decoding
         // Returning the reply tells Fastify the response is under way: without it, Fastify goes on
         // to the handler whenever the send is still pending (any asynchronous onSend hook).
         return reply
+      }
       case 'refuse':
         throw acquisition.error
       case 'unprotected':
@@ -163,14 +143,15 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const state = (request as GuardedRequest)[kState]
     if (state !== null) {
       if (state.settle()) {
-        state.handedOn = settleResponse(route, reply, state, payload).then((sent) => { done(null, sent) }, done).catch(lateSend(reply))
+        state.handedOn = settleResponse(route, reply, state, payload).then((sent) => { handOn(reply, done, null, sent) }, (error: Error) => { handOn(reply, done, error) })
         return
       }
       if (state.handedOn !== null) {
         // A second send of the same reply while the first is being stored: Fastify's own, when an
-        // async handler called reply.send() without returning reply and a slow onSend hook ran
-        // before ours. Without the plugin the first send is written first; so here too.
-        state.handedOn.then(() => { done(null, payload) }).catch(lateSend(reply))
+        // async handler called reply.send() without returning reply, and resolved while this hook
+        // was storing the response. Without the plugin the first send is written first; so here
+        // too (Fastify then warns: 'did you forget to return reply').
+        state.handedOn.then(() => { handOn(reply, done, null, payload) })
         return
       }
       // Fastify gives a Buffer without a Content-Type one of its own; the original had none.
@@ -189,11 +170,16 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
 }
 
 /**
- * Fastify could not write a response because one was written already (it warns of that itself):
- * kept at debug level, and never a rejection nobody handles, which would end the process.
+ * Hand the payload on to Fastify from a promise callback. When Fastify cannot write it because a
+ * response was written already (it warns of that itself), the error is kept at debug level: it
+ * must never become a rejection nobody handles, which would end the process.
  */
-function lateSend (reply: FastifyReply): (error: unknown) => void {
-  return (error) => { reply.log.debug({ err: error }, 'fastify-idempotency: a second send of this reply was not written') }
+function handOn (reply: FastifyReply, done: (error: Error | null, payload?: unknown) => void, error: Error | null, payload?: unknown): void {
+  try {
+    done(error, payload)
+  } catch (late) {
+    reply.log.debug({ err: late }, 'fastify-idempotency: a second send of this reply was not written')
+  }
 }
 
 async function resolveScope (scope: (request: FastifyRequest) => string | Promise<string>, request: FastifyRequest): Promise<string> {

@@ -4,7 +4,7 @@
  */
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
-import { createRouteHooks, guardHandler, kState, SAFE_METHODS, type IdempotencyRequestContext } from './hooks.js'
+import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext } from './hooks.js'
 import { documentRoute } from './openapi.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
 import { MemoryStorage } from './storage/memory.js'
@@ -67,8 +67,6 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     // replaces the outer one's hooks: a route must never go through the plugin twice.
     const guardedRoute = routeOptions as GuardedRoute
     const replaced = guardedRoute[kRouteHooks] ?? []
-    // Once: a registration that replaces another's hooks keeps the handler it already guarded.
-    if (replaced.length === 0) routeOptions.handler = guardHandler(routeOptions.handler as Parameters<typeof guardHandler>[0]) as RouteOptions['handler']
     guardedRoute[kRouteHooks] = [hooks.onRequest, hooks.preHandler, hooks.onSend, hooks.onError]
     // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
     // and a replay is never served to a request they would have refused.

@@ -22,10 +22,10 @@ const DECODERS: Readonly<Record<string, (body: Buffer) => Promise<Buffer>>> = {
 }
 
 /**
- * Set `reply` up to answer with `response` and send it. Resolves once the body is ready, which is
- * at once unless it has to be decoded first.
+ * Set `reply` up to answer with `response` and send it. Returns a promise only when the body has
+ * to be decoded first (a replay of anything else costs no promise): it resolves once it is sent.
  */
-export async function replayResponse (request: FastifyRequest, reply: FastifyReply, response: StoredResponse, replayHeader: string | null): Promise<void> {
+export function replayResponse (request: FastifyRequest, reply: FastifyReply, response: StoredResponse, replayHeader: string | null): Promise<void> | undefined {
   reply.code(response.statusCode)
   const { headers } = response
   for (const name in headers) {
@@ -34,16 +34,26 @@ export async function replayResponse (request: FastifyRequest, reply: FastifyRep
   if (response.contentType !== null) reply.header('content-type', response.contentType)
   if (replayHeader !== null) reply.header(replayHeader, 'true')
   const coding = headers['content-encoding']
-  reply.send(typeof coding === 'string' ? await acceptable(request, reply, coding, response.body) : response.body)
+  if (typeof coding === 'string') return acceptable(request, reply, coding, response.body).then((body) => { reply.send(body) })
+  reply.send(response.body)
+  return undefined
 }
 
-/** `body` as stored, if the request accepts `coding`; otherwise decoded (and the header dropped). */
+/**
+ * `body` as stored, if the request accepts `coding`; otherwise decoded (and the header dropped).
+ * A stored body that does not decode is sent as stored, with its coding, rather than not at all.
+ */
 async function acceptable (request: FastifyRequest, reply: FastifyReply, coding: string, body: Buffer): Promise<Buffer> {
   const decode = DECODERS[coding.trim().toLowerCase()]
   const accepted = request.headers['accept-encoding']
   // No Accept-Encoding: send identity, as @fastify/compress does (RFC 9110 would allow any coding,
   // but a client that sends none, curl say, usually cannot decode one).
   if (decode === undefined || (typeof accepted === 'string' && negotiate(accepted, [coding, 'identity']) === coding)) return body
-  reply.removeHeader('content-encoding')
-  return await decode(body)
+  try {
+    const decoded = await decode(body)
+    reply.removeHeader('content-encoding')
+    return decoded
+  } catch {
+    return body
+  }
 }

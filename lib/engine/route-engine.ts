@@ -3,6 +3,7 @@
  * timer that keeps its running handlers' leases alive. Built once per route, when it is added.
  */
 import type { RouteSettings } from '../options.js'
+import { MemoryStorage } from '../storage/memory.js'
 import type { IdempotencyStorage } from '../storage/types.js'
 import { HandlerDurations } from './handler-durations.js'
 import { LeaseRenewal } from './lease-renewal.js'
@@ -24,7 +25,8 @@ export interface RouteEngine {
 
 export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string): RouteEngine {
   const reporter = new Reporter(storage.constructor.name, route)
-  const deadline = new StoreDeadline(settings.storeTimeout)
+  // The embedded store answers from this process's memory and cannot hang: nothing to bound.
+  const deadline = new StoreDeadline(storage instanceof MemoryStorage ? 0 : settings.storeTimeout)
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, settings.maxLockHold,
     (state) => { renewLease(storage, settings, reporter, deadline, state) },
     (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') })

@@ -27,6 +27,7 @@ interface Pending {
 }
 
 export class StoreDeadline {
+  /** Milliseconds; 0 bounds nothing (a store that cannot hang). */
   readonly timeout: number
   readonly #period: number
   #first: Pending | null = null
@@ -43,11 +44,18 @@ export class StoreDeadline {
    * late, say).
    */
   run<T> (operation: string, call: () => Promise<T>, late?: (result: T) => void): Promise<T> {
+    if (this.timeout === 0) return call()
+    let promise: Promise<T>
+    try {
+      promise = call()
+    } catch (error) {
+      // A store that throws instead of rejecting is a rejection too.
+      return Promise.reject(error)
+    }
     return new Promise<T>((resolve, reject) => {
       const pending: Pending = { deadline: Date.now() + this.timeout, operation, reject, settled: false, previous: null, next: this.#first }
       this.#add(pending)
-      // Through a promise, so a store that throws instead of rejecting is a rejection too.
-      Promise.resolve().then(call).then((result) => {
+      promise.then((result) => {
         if (pending.settled) {
           late?.(result)
           return
