@@ -245,7 +245,7 @@ async function settleResponse (route: Route, reply: FastifyReply, state: Request
 }
 
 /** Settle, and turn a success that must not reach the client (transaction mode) into a 503. */
-async function settleOrRefuse (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason, why: string): Promise<void> {
+async function settleOrRefuse (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason, refusal: string): Promise<void> {
   const settlement = await settle(engine, state, statusCode, response, reason)
-  if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(why))
+  if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(refusal))
 }

@@ -113,8 +113,8 @@ async function keepStoring (engine: RouteEngine, state: RequestState, statusCode
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
-async function settleTransaction ({ storage, settings, reporter, deadline }: RouteEngine, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, why: NotStoredReason): Promise<Settlement> {
-  let reason: NotStoredReason | undefined = response === null ? why : undefined
+async function settleTransaction ({ storage, settings, reporter, deadline }: RouteEngine, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, notStored: NotStoredReason): Promise<Settlement> {
+  let reason: NotStoredReason | undefined = response === null ? notStored : undefined
   try {
     if (response !== null && await deadline.run('complete', () => transaction.complete(state.storageKey, state.token, response, settings.expiration))) {
       await deadline.run('commit', () => transaction.commit())
@@ -126,7 +126,7 @@ async function settleTransaction ({ storage, settings, reporter, deadline }: Rou
       await deadline.run('rollback', () => transaction.rollback())
     }
   } catch (error) {
-    reason = response === null ? why : 'store-error'
+    reason = response === null ? notStored : 'store-error'
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency transaction failed: rolled back')
     await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
   }
