@@ -136,3 +136,66 @@ for (const target of targets) {
     }
   })
 }
+
+const sqlServers = [
+  { name: 'postgres', availability: postgres, client: 'pg' as const, connection: pgConnection },
+  { name: 'mariadb', availability: mariadb, client: 'mysql2' as const, connection: mysqlConnection }
+]
+
+for (const server of sqlServers) {
+  describe.skipIf(!server.availability.available)(`rows locked by another session on ${server.name}${server.availability.reason}`, () => {
+    const table = `locked_${server.name}_${stamp}`
+    let knex: Knex
+    let other: Knex
+    let app: FastifyInstance
+    beforeAll(async () => {
+      // knex's default pool (10 connections): ten locked rows used to take every one of them.
+      knex = knexFactory({ client: server.client, connection: server.connection })
+      other = knexFactory({ client: server.client, connection: server.connection, pool: { min: 0, max: 1 } })
+      const storage = new KnexStorage({ knex, tableName: table, createTable: true, statementTimeout: 300 })
+      app = Fastify()
+      await app.register(idempotency, { storage, storeTimeout: 1000 })
+      app.setErrorHandler(idempotencyErrorHandler())
+      app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { reply.code(201); return { ok: true } })
+      await app.ready()
+    })
+    afterAll(async () => {
+      await app.close()
+      await dropIdempotencyTable(knex, table).catch(() => {})
+      await knex.destroy()
+      await other.destroy()
+    })
+
+    const post = (key: string) => app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { a: 1 } })
+
+    it('answers the locked keys 503 in time, and keeps serving other keys: a lock never holds a pooled connection', async () => {
+      const locked = Array.from({ length: 10 }, (_, i) => `locked-${i}-${stamp}`)
+      // Rows whose entries have expired, so taking the key means writing the row (on PostgreSQL a
+      // live row is read without waiting for its lock; MariaDB's upsert always waits).
+      for (const key of locked) expect((await post(key)).statusCode).toBe(201)
+      await other(table).whereIn('idempotency_key', locked.map((key) => Buffer.from(key))).update({ expires_at: 1 })
+      const trx = await other.transaction()
+      try {
+        // Row by row, as a long transaction that touched these rows would hold them. (One
+        // `IN (...) FOR UPDATE` makes MariaDB lock the gaps between them too, which blocks every
+        // insert: a table lock in effect.)
+        for (const key of locked) await trx(table).where('idempotency_key', Buffer.from(key)).forUpdate().select('idempotency_key')
+        const started = Date.now()
+        const blocked = locked.map((key) => post(key).then((res) => ({ status: res.statusCode, ms: Date.now() - started })))
+        const others = Array.from({ length: 5 }, (_, i) => post(`free-${i}-${stamp}`).then((res) => ({ status: res.statusCode, ms: Date.now() - started })))
+        for (const { status, ms } of await Promise.all(blocked)) {
+          expect(status).toBe(503)
+          expect(ms).toBeLessThan(2000)
+        }
+        for (const { status, ms } of await Promise.all(others)) {
+          expect(status).toBe(201)
+          expect(ms).toBeLessThan(2000)
+        }
+      } finally {
+        await trx.rollback()
+      }
+      // Unlocked, the keys are free again.
+      expect((await post(locked[0]!)).statusCode).toBe(201)
+    })
+  })
+}

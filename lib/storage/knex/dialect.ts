@@ -47,14 +47,27 @@ export interface Dialect {
   isDeadlock: (error: unknown) => boolean
 }
 
+/** Makes a statement bounded in time (see `bounded`); the identity when nothing is bounded. */
+export type Bound = <Q extends Knex.QueryBuilder | Knex.Raw>(query: Q) => Q
+
+/**
+ * Past `ms` the server cancels the statement (pg_cancel_backend, KILL QUERY, through a connection
+ * of its own), so a row locked by another session never keeps a pooled connection busy, nor the
+ * requests for other keys waiting for one. 0 bounds nothing.
+ */
+export function bounded (ms: number): Bound {
+  if (ms === 0) return (query) => query
+  return (query) => query.timeout(ms, { cancel: true }) as typeof query
+}
+
 /** The fenced row of a held lease. */
 function heldLease (db: Knex | Knex.Transaction, table: string, id: Buffer, token: string, now: number): Knex.QueryBuilder {
   return db(table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhere('lease_end', '>', now)
 }
 
 /** `complete` as a plain fenced UPDATE (MySQL, MariaDB, SQLite). */
-export async function updateCompleted (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
-  return Number(await heldLease(db, table, c.id, c.token, c.now).update({
+export async function updateCompleted (db: Knex | Knex.Transaction, table: string, c: Completion, bound: Bound): Promise<number> {
+  return Number(await bound(heldLease(db, table, c.id, c.token, c.now).update({
     state: 'completed',
     token: null,
     lease_end: null,
@@ -63,17 +76,17 @@ export async function updateCompleted (db: Knex | Knex.Transaction, table: strin
     headers: c.headers,
     body: c.body,
     expires_at: c.expiresAt
-  }))
+  })))
 }
 
 /** `release` as a plain fenced DELETE (MySQL, MariaDB, SQLite). */
-export async function deleteLease (knex: Knex, table: string, id: Buffer, token: string, now: number): Promise<number> {
-  return Number(await heldLease(knex, table, id, token, now).del())
+export async function deleteLease (knex: Knex, table: string, id: Buffer, token: string, now: number, bound: Bound): Promise<number> {
+  return Number(await bound(heldLease(knex, table, id, token, now).del()))
 }
 
 /** `renew` on every dialect: the lease end is also when the row stops mattering. */
-export async function extendLease (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number): Promise<number> {
-  return Number(await heldLease(knex, table, id, token, now).update({ lease_end: leaseEnd, expires_at: leaseEnd }))
+export async function extendLease (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number, bound: Bound): Promise<number> {
+  return Number(await bound(heldLease(knex, table, id, token, now).update({ lease_end: leaseEnd, expires_at: leaseEnd })))
 }
 
 /**
@@ -81,10 +94,10 @@ export async function extendLease (knex: Knex, table: string, id: Buffer, token:
  * outer condition is checked again on the row as it is when deleted, so a row that a `begin` took
  * over after the batch was chosen survives.
  */
-export async function purgeBySubquery (knex: Knex, table: string, now: number, batchSize: number, skipLocked: boolean): Promise<{ chosen: number, deleted: number }> {
+export async function purgeBySubquery (knex: Knex, table: string, now: number, batchSize: number, skipLocked: boolean, bound: Bound): Promise<{ chosen: number, deleted: number }> {
   const batch = knex(table).select('idempotency_key').where('expires_at', '<=', now).limit(batchSize)
   // Concurrent purges take disjoint batches instead of waiting on each other.
   if (skipLocked) batch.forUpdate().skipLocked()
-  const deleted = Number(await knex(table).whereIn('idempotency_key', batch).andWhere('expires_at', '<=', now).del())
+  const deleted = Number(await bound(knex(table).whereIn('idempotency_key', batch).andWhere('expires_at', '<=', now).del()))
   return { chosen: deleted, deleted }
 }

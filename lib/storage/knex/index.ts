@@ -30,6 +30,13 @@ export interface KnexStorageOptions {
   createTable?: boolean
   /** Clock in epoch milliseconds; tests inject one. Default `Date.now`. */
   now?: () => number
+  /**
+   * The longest one statement may run, in ms; past it the server cancels it (PostgreSQL,
+   * MySQL/MariaDB), so a row locked by another session (a migration, a long transaction) never
+   * keeps a pooled connection busy. Keep it below the plugin's `storeTimeout`. 0 disables it.
+   * Default 4000.
+   */
+  statementTimeout?: number
 }
 
 export interface PurgeExpiredOptions {
@@ -45,10 +52,13 @@ const BEGIN_ROUNDS = 10
 /** Retries of a statement chosen as a deadlock victim (it was rolled back whole, so it can rerun). */
 const DEADLOCK_RETRIES = 5
 
-function pickDialect (knex: Knex, table: string): Dialect {
+/** Below the plugin's default storeTimeout (5 s), so the store cancels before the plugin gives up. */
+const DEFAULT_STATEMENT_TIMEOUT = 4000
+
+function pickDialect (knex: Knex, table: string, statementTimeout: number): Dialect {
   const name = sqlDialect(knex)
-  if (name === 'postgres') return new PostgresDialect(table)
-  if (name === 'mysql') return new MysqlDialect()
+  if (name === 'postgres') return new PostgresDialect(table, statementTimeout)
+  if (name === 'mysql') return new MysqlDialect(statementTimeout)
   return new SqliteDialect()
 }
 
@@ -75,7 +85,9 @@ export class KnexStorage implements TransactionalStorage {
     const tableName = options.tableName ?? DEFAULT_TABLE_NAME
     if (typeof tableName !== 'string' || tableName.length === 0) throw new TypeError('KnexStorage: tableName must be a non-empty string')
     if (options.now !== undefined && typeof options.now !== 'function') throw new TypeError('KnexStorage: now must be a function')
-    this.#dialect = pickDialect(options.knex, tableName)
+    const statementTimeout = options.statementTimeout ?? DEFAULT_STATEMENT_TIMEOUT
+    if (!Number.isSafeInteger(statementTimeout) || statementTimeout < 0) throw new TypeError('KnexStorage: statementTimeout must be a whole number of milliseconds, or 0')
+    this.#dialect = pickDialect(options.knex, tableName, statementTimeout)
     this.#knex = options.knex
     this.#table = tableName
     this.#createTable = options.createTable === true
@@ -85,6 +97,7 @@ export class KnexStorage implements TransactionalStorage {
         knex: options.knex,
         table: tableName,
         channel: this.#dialect.channel,
+        bound: this.#dialect.bound,
         now: this.#now,
         retrying: (statement) => this.#retrying(statement),
         prepare: () => this.#prepare()

@@ -4,7 +4,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { deleteLease, extendLease, updateCompleted, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, deleteLease, extendLease, updateCompleted, type Bound, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, readLive, toResult, type Row } from './rows.js'
 
 // ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition. Assignments run
@@ -41,8 +41,13 @@ export function hasInsertReturning (version: string): boolean {
 
 export class MysqlDialect implements Dialect {
   readonly name = 'mysql' as const
+  readonly bound: Bound
   /** MariaDB 10.5+: `begin` returns the row in the upsert itself. */
   #returning = false
+
+  constructor (statementTimeout: number) {
+    this.bound = bounded(statementTimeout)
+  }
 
   async prepare (knex: Knex): Promise<void> {
     const [rows] = await knex.raw('SELECT VERSION() AS version')
@@ -54,23 +59,31 @@ export class MysqlDialect implements Dialect {
     const bindings = [table, id, fingerprint, token, leaseEnd, leaseEnd,
       now, fingerprint, now, now, token, now, leaseEnd, now, now, now, now, now, leaseEnd]
     if (this.#returning) {
-      const [rows] = await knex.raw(BEGIN_RETURNING, bindings)
+      const [rows] = await this.bound(knex.raw(BEGIN_RETURNING, bindings))
       const row = (rows as Row[])[0]
       if (row === undefined) return undefined
       if (row.token === token) return { state: 'acquired', token }
       // The upsert left the row alone, so it was live at `now`: in flight or completed.
       return toResult(row)
     }
-    const [header] = await knex.raw(BEGIN, bindings)
+    const [header] = await this.bound(knex.raw(BEGIN, bindings))
     const outcome = Number((header as { insertId?: unknown }).insertId)
     if (outcome === 0 || outcome === 1) return { state: 'acquired', token }
     if (outcome !== 2) throw new Error(`KnexStorage: unexpected upsert outcome ${outcome}`)
-    return await readLive(knex, table, id, now)
+    return await readLive(knex, table, id, now, this.bound)
   }
 
-  complete = updateCompleted
-  release = deleteLease
-  renew = extendLease
+  async complete (db: Knex | Knex.Transaction, table: string, completion: Completion): Promise<number> {
+    return await updateCompleted(db, table, completion, this.bound)
+  }
+
+  async release (knex: Knex, table: string, id: Buffer, token: string, now: number): Promise<number> {
+    return await deleteLease(knex, table, id, token, now, this.bound)
+  }
+
+  async renew (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number): Promise<number> {
+    return await extendLease(knex, table, id, token, now, leaseEnd, this.bound)
+  }
 
   /**
    * Choose the batch with a plain read, then delete by primary key. A DELETE that walks the expiry
@@ -79,11 +92,11 @@ export class MysqlDialect implements Dialect {
    * LIMIT inside an IN subquery.)
    */
   async purgeBatch (knex: Knex, table: string, now: number, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    const rows = await knex(table).select('idempotency_key').where('expires_at', '<=', now)
-      .orderBy('expires_at').limit(batchSize) as Array<{ idempotency_key: Buffer }>
+    const rows = await this.bound(knex(table).select('idempotency_key').where('expires_at', '<=', now)
+      .orderBy('expires_at').limit(batchSize)) as Array<{ idempotency_key: Buffer }>
     if (rows.length === 0) return { chosen: 0, deleted: 0 }
-    const deleted = await knex(table).whereIn('idempotency_key', rows.map((row) => row.idempotency_key))
-      .andWhere('expires_at', '<=', now).del()
+    const deleted = await this.bound(knex(table).whereIn('idempotency_key', rows.map((row) => row.idempotency_key))
+      .andWhere('expires_at', '<=', now).del())
     return { chosen: rows.length, deleted: Number(deleted) }
   }
 

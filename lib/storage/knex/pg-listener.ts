@@ -10,6 +10,7 @@
  */
 import type { Knex } from 'knex'
 import { KeyWaiters, type Waiter } from '../waiters.js'
+import type { Bound } from './dialect.js'
 import { millis, trimmed } from './rows.js'
 
 // A waiter marks the lease it waits for, and learns in the same step whether it is still held.
@@ -45,6 +46,8 @@ export interface PgListenerContext {
   table: string
   channel: string
   now: () => number
+  /** Bounds a statement in time (see dialect.ts). */
+  bound: Bound
   /** Runs a statement, again if the server picked it as a deadlock victim. */
   retrying: <T>(statement: () => PromiseLike<T>) => Promise<T>
   /** Resolves once the storage is ready (its table created). */
@@ -109,7 +112,7 @@ export class PgListener {
       if (listener.failure !== undefined) throw listener.failure
       // Subscribed before the mark: the notification may overtake the mark's answer.
       const leaseEnd = await retrying(async () => {
-        const { rows } = await knex.raw(MARK_WAITING, [table, id, now()])
+        const { rows } = await this.#context.bound(knex.raw(MARK_WAITING, [table, id, now()]))
         return rows.length === 0 ? undefined : millis((rows[0] as { lease_end: unknown }).lease_end)
       })
       if (leaseEnd === undefined) waiter.settle()

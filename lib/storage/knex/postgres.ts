@@ -4,7 +4,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { extendLease, purgeBySubquery, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, extendLease, purgeBySubquery, type Bound, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, toResult, type Row } from './rows.js'
 import { notificationChannel } from './schema.js'
 
@@ -54,15 +54,17 @@ export class PostgresDialect implements Dialect {
   readonly name = 'postgres' as const
   /** The table's NOTIFY channel (see pg-listener.ts). */
   readonly channel: string
+  readonly bound: Bound
 
-  constructor (table: string) {
+  constructor (table: string, statementTimeout: number) {
     this.channel = notificationChannel(table)
+    this.bound = bounded(statementTimeout)
   }
 
   async prepare (): Promise<void> {}
 
   async begin (knex: Knex, table: string, { id, fingerprint, token, now, leaseEnd }: LeaseRequest): Promise<BeginResult | undefined> {
-    const { rows } = await knex.raw(BEGIN, [table, id, now, table, id, fingerprint, token, leaseEnd, leaseEnd, now])
+    const { rows } = await this.bound(knex.raw(BEGIN, [table, id, now, table, id, fingerprint, token, leaseEnd, leaseEnd, now]))
     const row = rows[0] as (Row & { taken: number }) | undefined
     if (row !== undefined && Number(row.taken) === 1) return { state: 'acquired', token }
     if (row === undefined || row.state === null) return undefined
@@ -77,10 +79,12 @@ export class PostgresDialect implements Dialect {
     return await this.#notifying(knex, RELEASE, id, [table, id, token, now])
   }
 
-  renew = extendLease
+  async renew (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number): Promise<number> {
+    return await extendLease(knex, table, id, token, now, leaseEnd, this.bound)
+  }
 
   async purgeBatch (knex: Knex, table: string, now: number, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    return await purgeBySubquery(knex, table, now, batchSize, true)
+    return await purgeBySubquery(knex, table, now, batchSize, true, this.bound)
   }
 
   isDeadlock (error: unknown): boolean {
@@ -89,7 +93,7 @@ export class PostgresDialect implements Dialect {
 
   /** A `complete` or `release`: how many rows it changed. Notifications carry the key's bytes in base64. */
   async #notifying (db: Knex | Knex.Transaction, sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
-    const { rows } = await db.raw(sql, [...bindings, this.channel, id.toString('base64')])
+    const { rows } = await this.bound(db.raw(sql, [...bindings, this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
   }
 }

@@ -71,8 +71,8 @@ export function toResult (row: Row): BeginResult {
 }
 
 /** The row as a live result, or `undefined` when it vanished or died since an upsert saw it. */
-export async function readLive (db: Knex, table: string, id: Buffer, now: number): Promise<BeginResult | undefined> {
-  const row = await db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhere('expires_at', '>', now) as Row | undefined
+export async function readLive (db: Knex, table: string, id: Buffer, now: number, bound: <Q extends Knex.QueryBuilder>(query: Q) => Q): Promise<BeginResult | undefined> {
+  const row = await bound(db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhere('expires_at', '>', now)) as Row | undefined
   return row === undefined ? undefined : toResult(row)
 }
 

@@ -5,7 +5,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { deleteLease, extendLease, purgeBySubquery, updateCompleted, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, deleteLease, extendLease, purgeBySubquery, updateCompleted, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { readLive } from './rows.js'
 
 // Unqualified columns in DO UPDATE ... WHERE are the existing row's.
@@ -18,6 +18,9 @@ ON CONFLICT (idempotency_key) DO UPDATE SET
 WHERE expires_at <= ?
 RETURNING token`
 
+/** better-sqlite3 runs each statement to its end synchronously: there is nothing to cancel. */
+const unbounded = bounded(0)
+
 export class SqliteDialect implements Dialect {
   readonly name = 'sqlite' as const
 
@@ -26,15 +29,23 @@ export class SqliteDialect implements Dialect {
   async begin (knex: Knex, table: string, { id, fingerprint, token, now, leaseEnd }: LeaseRequest): Promise<BeginResult | undefined> {
     const rows = await knex.raw(BEGIN, [table, id, fingerprint, token, leaseEnd, leaseEnd, now])
     if ((rows as unknown[]).length === 1) return { state: 'acquired', token }
-    return await readLive(knex, table, id, now)
+    return await readLive(knex, table, id, now, unbounded)
   }
 
-  complete = updateCompleted
-  release = deleteLease
-  renew = extendLease
+  async complete (db: Knex | Knex.Transaction, table: string, completion: Completion): Promise<number> {
+    return await updateCompleted(db, table, completion, unbounded)
+  }
+
+  async release (knex: Knex, table: string, id: Buffer, token: string, now: number): Promise<number> {
+    return await deleteLease(knex, table, id, token, now, unbounded)
+  }
+
+  async renew (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number): Promise<number> {
+    return await extendLease(knex, table, id, token, now, leaseEnd, unbounded)
+  }
 
   async purgeBatch (knex: Knex, table: string, now: number, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    return await purgeBySubquery(knex, table, now, batchSize, false)
+    return await purgeBySubquery(knex, table, now, batchSize, false, unbounded)
   }
 
   isDeadlock (): boolean {
