@@ -77,15 +77,15 @@ describe('store failures', () => {
 
   it('still answers the client when storing fails after the handler ran, and keeps storing: duplicates get 409, then the replay, never a second run', async () => {
     const { storage, down } = breakable()
-    const t = await appWith(storage, { lockTimeout: 200 })
+    const t = await appWith(storage, { lockTimeout: 600 })
     const key = newKey()
     down.add('complete')
     const res = await t.post(key)
     expect(res.statusCode).toBe(201)
     expect(res.json()).toEqual({ run: 1 })
     expect(t.logs.some((line) => line.level === 50 && /storing is retried/.test(line.msg))).toBe(true)
-    // Well past lockTimeout: the lease is renewed while storing is retried.
-    await new Promise((resolve) => setTimeout(resolve, 500))
+    // Past lockTimeout: the lease is renewed while storing is retried.
+    await new Promise((resolve) => setTimeout(resolve, 900))
     expect((await t.post(key)).statusCode).toBe(409)
     down.delete('complete')
     let retry = await t.post(key)
@@ -202,12 +202,14 @@ describe('a store that never answers', () => {
       release: (k, t) => inner.release(k, t),
       renew: (k, t, l) => inner.renew(k, t, l)
     }
-    const t = await appWith(storage, { storeTimeout: 100, lockTimeout: 150 })
+    // A lease long enough that a busy machine's late timers cannot let it lapse between renewals.
+    const t = await appWith(storage, { storeTimeout: 100, lockTimeout: 600 })
     const key = newKey()
     const started = Date.now()
     expect((await t.post(key)).statusCode).toBe(201)
     expect(Date.now() - started).toBeLessThan(1000)
-    await new Promise((resolve) => setTimeout(resolve, 300))
+    // Past lockTimeout: the lease lives because it is renewed while storing is retried.
+    await new Promise((resolve) => setTimeout(resolve, 900))
     expect((await t.post(key)).statusCode).toBe(409)
     hang = false
     let retry = await t.post(key)

@@ -57,7 +57,11 @@ function failingBegins (knex: Knex, failures: number, error: Record<string, unkn
       return (sql: string, ...rest: unknown[]) => {
         if (/^(WITH live|INSERT INTO)/.test(sql)) {
           attempts.count++
-          if (attempts.count <= failures) return Promise.reject(Object.assign(new Error('injected deadlock'), error))
+          if (attempts.count <= failures) {
+            // Shaped like a knex Raw as far as KnexStorage uses one: a thenable with .timeout().
+            const failed = Promise.reject(Object.assign(new Error('injected deadlock'), error))
+            return Object.assign(failed, { timeout: () => failed })
+          }
         }
         return (target.raw as (...args: unknown[]) => unknown)(sql, ...rest)
       }
