@@ -18,9 +18,37 @@ export function isNodeStream (payload: unknown): payload is Readable {
   return payload !== null && typeof payload === 'object' && typeof (payload as Readable).pipe === 'function'
 }
 
-/** Status, content type and replayable headers of the reply as it stands, with `body`. */
-export function snapshotResponse (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, body: Buffer): StoredResponse {
-  const all = reply.getHeaders()
+type HeaderValues = Record<string, number | string | string[] | undefined>
+
+/**
+ * Status, content type and replayable headers of the reply as it stands, with `body`; with
+ * `null`, the outcome of a response whose body could not be kept.
+ */
+export function snapshotResponse (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
+  return outcome(reply.statusCode, reply.getHeaders(), excludedHeaders, body)
+}
+
+/**
+ * The outcome of a response whose body cannot be captured: a web stream, or a `Response`, whose
+ * own status and headers Fastify applies only after the onSend hooks, so they are read from it.
+ */
+export function unstorableOutcome (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, payload: unknown): StoredResponse {
+  if (!isResponse(payload)) return snapshotResponse(reply, excludedHeaders, null)
+  const headers: HeaderValues = { ...reply.getHeaders() }
+  for (const [name, value] of payload.headers) headers[name] = value
+  return outcome(payload.status, headers, excludedHeaders, null)
+}
+
+/** The outcome of a hijacked reply: what was written on the raw response, without its body. */
+export function hijackedOutcome (reply: FastifyReply, excludedHeaders: ReadonlySet<string>): StoredResponse {
+  return outcome(reply.raw.statusCode, reply.raw.getHeaders(), excludedHeaders, null)
+}
+
+function isResponse (payload: unknown): payload is Response {
+  return payload !== null && typeof payload === 'object' && Object.prototype.toString.call(payload) === '[object Response]'
+}
+
+function outcome (statusCode: number, all: HeaderValues, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
   const headers: Record<string, string | string[]> = {}
   for (const name in all) {
     const value = all[name]
@@ -28,7 +56,9 @@ export function snapshotResponse (reply: FastifyReply, excludedHeaders: Readonly
     headers[name] = Array.isArray(value) ? value.map(String) : String(value)
   }
   const contentType = all['content-type']
-  return { statusCode: reply.statusCode, contentType: contentType === undefined ? null : String(contentType), headers, body }
+  const response: StoredResponse = { statusCode, contentType: contentType === undefined ? null : String(contentType), headers, body: body ?? Buffer.alloc(0) }
+  if (body === null) response.bodyOmitted = true
+  return response
 }
 
 /** What a stream capture kept: the whole body, or nothing and why. */

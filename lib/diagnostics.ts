@@ -34,6 +34,8 @@ export interface IdempotencyEvent {
   durationMs: number
   statusCode?: number
   stored?: boolean
+  /** Stored without its body (too large, a web stream, a `Response`, a hijacked reply): the outcome only. */
+  bodyOmitted?: boolean
   /** Why an executed request's response was not stored. */
   reason?: 'failed' | 'not-cacheable' | 'too-large' | 'interrupted' | 'not-capturable' | 'hijacked' | 'lease-lost' | 'store-error'
   waitedMs?: number

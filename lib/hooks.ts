@@ -12,7 +12,7 @@
  */
 import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
 import { BodyNestedTooDeeplyError } from './canonical-value.js'
-import { captureStream, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
+import { captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, unstorableOutcome } from './capture.js'
 import { acquire } from './engine/acquire.js'
 import { RequestState } from './engine/request-state.js'
 import { createRouteEngine, type RouteEngine } from './engine/route-engine.js'
@@ -189,7 +189,8 @@ async function resolveScope (scope: (request: FastifyRequest) => string | Promis
 }
 
 /** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
-function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
+function run (route: Route, request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
+  const { engine } = route
   if (state.transaction !== null) request.idempotency = { key: state.key, transaction: state.transaction.handle }
   if (reply.raw.destroyed) {
     // The client left before the lease was taken: 'close' has fired already and will not again.
@@ -199,9 +200,13 @@ function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, s
   }
   reply.raw.once('close', () => {
     if (state.phase !== 'held') return
-    // Hijacked (or ended by hand): onSend will never run, so nothing can be stored.
+    // Hijacked (or ended by hand): onSend will never run, and the body was never seen; what was
+    // written on the raw response is the outcome.
     if (reply.sent) {
-      if (state.settle()) void settle(engine, state, reply.statusCode, null, 'hijacked')
+      if (!state.settle()) return
+      const statusCode = reply.raw.statusCode
+      const keep = route.settings.keepUnstorable && !state.failed && isStorable(route.settings, statusCode)
+      void settle(engine, state, statusCode, keep ? hijackedOutcome(reply, route.plugin.excludedHeaders) : null, 'hijacked')
       return
     }
     // The client went away while the handler runs. The lease stays, so a retry does not run the
@@ -216,32 +221,47 @@ function run ({ engine }: Route, request: GuardedRequest, reply: FastifyReply, s
 async function settleResponse (route: Route, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
   const { engine, settings, plugin: { excludedHeaders } } = route
   const statusCode = reply.statusCode
-  // A 304 is kept whatever the cacheable set: the handler ran and succeeded, and a conditional-
-  // request plugin (@fastify/etag) answered 304 after it. Releasing the key would let a retry run
-  // the operation again; the retry gets the 304 the first client got.
-  if (state.failed || !(settings.cacheable.has(statusCode) || statusCode === NOT_MODIFIED)) {
+  if (state.failed || !isStorable(settings, statusCode)) {
     await settle(engine, state, statusCode, null, state.failed ? 'failed' : 'not-cacheable')
     return payload
   }
+  // A body that cannot be kept leaves its outcome (status and headers), unless the route frees
+  // the key instead: a retry must not run the operation again because its answer was large.
+  const unkept = (): StoredResponse | null => settings.keepUnstorable ? snapshotResponse(reply, excludedHeaders, null) : null
   const bytes = payloadBytes(payload)
   if (bytes !== null) {
-    const response = bytes.length > settings.maxResponseBytes ? null : snapshotResponse(reply, excludedHeaders, bytes)
+    const response = bytes.length > settings.maxResponseBytes ? unkept() : snapshotResponse(reply, excludedHeaders, bytes)
     await settleOrRefuse(engine, state, statusCode, response, 'too-large', 'transaction not committed')
     return payload
   }
   if (isNodeStream(payload)) {
     const capture = captureStream(payload, settings.maxResponseBytes)
     capture.holdEndUntil(capture.captured.then(async (captured) => {
-      const response = captured.body === null ? null : snapshotResponse(reply, excludedHeaders, captured.body)
+      // A stream that failed or whose client left mid-way is not an outcome: the key is freed.
+      const response = captured.body !== null
+        ? snapshotResponse(reply, excludedHeaders, captured.body)
+        : captured.reason === 'too-large' ? unkept() : null
       const settlement = await settle(engine, state, reply.statusCode, response, captured.body === null ? captured.reason : 'too-large')
       // Too late for another status: cut the response, so the client never sees a clean success.
       if (!settlement.deliverable) reply.raw.destroy(new Error('fastify-idempotency: transaction not committed'))
     }))
     return capture.stream
   }
-  // A web stream or a Response: sent as it is, not stored (in transaction mode, refused).
-  await settleOrRefuse(engine, state, statusCode, null, 'not-capturable', 'response cannot be stored in transaction mode')
+  // A web stream or a Response: sent as it is; its outcome is kept, or the key freed (in
+  // transaction mode, then refused).
+  const outcome = settings.keepUnstorable ? unstorableOutcome(reply, excludedHeaders, payload) : null
+  await settleOrRefuse(engine, state, outcome?.statusCode ?? statusCode, outcome, 'not-capturable', 'response cannot be stored in transaction mode')
   return payload
+}
+
+/**
+ * Whether a response with this status is kept. A 304 is, whatever the cacheable set: the handler
+ * ran and succeeded, and a conditional-request plugin (@fastify/etag) answered 304 after it.
+ * Releasing the key would let a retry run the operation again; the retry gets the 304 the first
+ * client got.
+ */
+function isStorable (settings: RouteSettings, statusCode: number): boolean {
+  return settings.cacheable.has(statusCode) || statusCode === NOT_MODIFIED
 }
 
 /** Settle, and turn a success that must not reach the client (transaction mode) into a 503. */

@@ -34,8 +34,15 @@ export interface IdempotencyRouteOptions {
   removeCacheableStatusCodes?: number[]
   /** Which parts of a request make up its fingerprint; a route's object is merged over the plugin's. */
   fingerprint?: FingerprintOptions
-  /** Largest response body stored, in bytes (default 1 MiB); a larger one is sent but not stored. */
+  /** Largest response body stored, in bytes (default 1 MiB); a larger one is sent, and only its outcome stored. */
   maxResponseBytes?: number
+  /**
+   * A response whose body cannot be kept (larger than `maxResponseBytes`, a web stream, a
+   * `Response`, a hijacked reply): `'outcome'` (default) stores its status and headers, so a retry
+   * gets them (with an empty body and `Idempotent-Body-Omitted: true`) and the handler does not
+   * run again; `'release'` stores nothing and frees the key, so a retry runs the handler again.
+   */
+  unstorableResponse?: 'outcome' | 'release'
   /** Status of a fingerprint mismatch: 409 (default, the seed's) or 422 (the IETF draft's). */
   mismatchStatusCode?: 409 | 422
   /** When the store is unreachable, run the handler without protection instead of answering 503 (default `false`). */
@@ -103,6 +110,8 @@ export interface RouteSettings {
   /** The options `fingerprint` was built from, for a route's override to merge over. */
   fingerprintOptions: FingerprintOptions
   maxResponseBytes: number
+  /** Store the outcome of a response whose body cannot be kept, instead of freeing the key. */
+  keepUnstorable: boolean
   mismatchStatusCode: 409 | 422
   failOpen: boolean
   /** Open a StorageTransaction for the handler (transaction mode). */
@@ -174,6 +183,7 @@ const routeProperties = {
   removeCacheableStatusCodes: statusCodes,
   fingerprint: fingerprintSchema,
   maxResponseBytes: { type: 'integer', minimum: 0 },
+  unstorableResponse: { enum: ['outcome', 'release'] },
   mismatchStatusCode: { enum: [409, 422] },
   failOpen: { type: 'boolean' },
   wait: { type: 'boolean' },
@@ -296,6 +306,7 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
       fingerprint: normalizeFingerprint(options.fingerprint),
       fingerprintOptions: options.fingerprint ?? {},
       maxResponseBytes: options.maxResponseBytes ?? 1024 * 1024,
+      keepUnstorable: options.unstorableResponse !== 'release',
       mismatchStatusCode: options.mismatchStatusCode ?? 409,
       failOpen: options.failOpen ?? false,
       waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
@@ -357,6 +368,7 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
     fingerprint: route.fingerprint === undefined ? base.fingerprint : normalizeFingerprint(fingerprintOptions),
     fingerprintOptions,
     maxResponseBytes: route.maxResponseBytes ?? base.maxResponseBytes,
+    keepUnstorable: route.unstorableResponse === undefined ? base.keepUnstorable : route.unstorableResponse !== 'release',
     mismatchStatusCode: route.mismatchStatusCode ?? base.mismatchStatusCode,
     failOpen: route.failOpen ?? base.failOpen,
     waitTimeout: routeWaitTimeout(base, route, context),

@@ -14,6 +14,9 @@ import { negotiate } from '@fastify/accept-negotiator'
 import type { FastifyReply, FastifyRequest } from 'fastify'
 import type { StoredResponse } from './storage/types.js'
 
+/** Marks a replay of an answer whose body was not kept (see StoredResponse.bodyOmitted). */
+export const BODY_OMITTED_HEADER = 'Idempotent-Body-Omitted'
+
 const DECODERS: Readonly<Record<string, (body: Buffer) => Promise<Buffer>>> = {
   gzip: promisify(gunzip),
   'x-gzip': promisify(gunzip),
@@ -33,6 +36,11 @@ export function replayResponse (request: FastifyRequest, reply: FastifyReply, re
   }
   if (response.contentType !== null) reply.header('content-type', response.contentType)
   if (replayHeader !== null) reply.header(replayHeader, 'true')
+  if (response.bodyOmitted === true) {
+    // The outcome of an answer whose body was not kept: its status and headers, and no body.
+    reply.header(BODY_OMITTED_HEADER, 'true').send(response.body)
+    return undefined
+  }
   const coding = headers['content-encoding']
   if (typeof coding === 'string') return acceptable(request, reply, coding, response.body).then((body) => { reply.send(body) })
   reply.send(response.body)

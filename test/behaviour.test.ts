@@ -509,9 +509,32 @@ for (const store of cases) {
       }
     })
 
-    it('sends but does not store a response over maxResponseBytes, and frees the key', async () => {
+    it('keeps the outcome of a response over maxResponseBytes: a retry gets its status and headers, no body, and the handler does not run again', async () => {
       const big = 'x'.repeat(2048)
       const t = await app({ maxResponseBytes: 1024 }, {
+        '/big': (_req, reply) => { reply.code(201).header('location', '/reports/1'); return big },
+        '/big-stream': (_req, reply) => { reply.code(201).header('location', '/reports/1').type('text/plain'); return Readable.from([Buffer.from(big.slice(0, 1000)), Buffer.from(big.slice(1000))]) }
+      })
+      for (const url of ['/big', '/big-stream']) {
+        const key = newKey()
+        const first = await post(t, key, {}, { url })
+        expect(first.body).toBe(big)
+        const retry = await post(t, key, {}, { url })
+        expect(retry.statusCode).toBe(201)
+        expect(retry.headers.location).toBe('/reports/1')
+        expect(retry.headers['content-type']).toBe(first.headers['content-type'])
+        expect(retry.headers['idempotent-replayed']).toBe('true')
+        expect(retry.headers['idempotent-body-omitted']).toBe('true')
+        expect(retry.body).toBe('')
+        expect(t.runs.get(url)).toBe(1)
+        // Another request under the key is still a mismatch.
+        expect((await post(t, key, { other: true }, { url })).statusCode).toBe(409)
+      }
+    })
+
+    it("with unstorableResponse: 'release', sends but does not store a response over maxResponseBytes, and frees the key", async () => {
+      const big = 'x'.repeat(2048)
+      const t = await app({ maxResponseBytes: 1024, unstorableResponse: 'release' }, {
         '/big': () => big,
         '/big-stream': () => Readable.from([Buffer.from(big.slice(0, 1000)), Buffer.from(big.slice(1000))])
       })
@@ -549,8 +572,28 @@ for (const store of cases) {
       expect((await post(cookies, other, {}, { url: '/cookie' })).headers['set-cookie']).toEqual(['a=1', 'b=2'])
     })
 
-    it('releases the key of a hijacked reply, so a retry runs', async () => {
+    it('keeps the outcome of a hijacked reply: a retry gets its status, no body, and the handler does not run again', async () => {
       const t = await app({}, {
+        '/hijack': (_req, reply) => {
+          reply.hijack()
+          reply.raw.setHeader('x-raw', 'yes')
+          reply.raw.writeHead(202)
+          reply.raw.end('raw')
+        }
+      })
+      const key = newKey()
+      expect((await post(t, key, {}, { url: '/hijack' })).body).toBe('raw')
+      await sleep(50)
+      const retry = await post(t, key, {}, { url: '/hijack' })
+      expect(retry.statusCode).toBe(202)
+      expect(retry.headers['x-raw']).toBe('yes')
+      expect(retry.headers['idempotent-body-omitted']).toBe('true')
+      expect(retry.body).toBe('')
+      expect(t.runs.get('/hijack')).toBe(1)
+    })
+
+    it("with unstorableResponse: 'release', releases the key of a hijacked reply, so a retry runs", async () => {
+      const t = await app({ unstorableResponse: 'release' }, {
         '/hijack': (_req, reply) => {
           reply.hijack()
           reply.raw.writeHead(200)

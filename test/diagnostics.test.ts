@@ -27,10 +27,16 @@ describe('diagnostics channels', () => {
   })
 
   it('says why an executed response was not stored', async () => {
-    const { app } = await buildApp({ maxResponseBytes: 10 }, { '/fail': (_req, reply) => { reply.code(500); return {} }, '/big': () => 'x'.repeat(100) })
+    const { app } = await buildApp({ maxResponseBytes: 10, unstorableResponse: 'release' }, { '/fail': (_req, reply) => { reply.code(500); return {} }, '/big': () => 'x'.repeat(100) })
     await app.inject({ method: 'POST', url: '/fail', headers: { 'idempotency-key': newKey() }, payload: {} })
     await app.inject({ method: 'POST', url: '/big', headers: { 'idempotency-key': newKey() }, payload: {} })
     expect(events.map((e) => [e.outcome, e.stored, e.reason])).toEqual([['execute', false, 'not-cacheable'], ['execute', false, 'too-large']])
+  })
+
+  it('says when only the outcome of an executed response was stored, without its body', async () => {
+    const { app } = await buildApp({ maxResponseBytes: 10 }, { '/big': () => 'x'.repeat(100) })
+    await app.inject({ method: 'POST', url: '/big', headers: { 'idempotency-key': newKey() }, payload: {} })
+    expect(events.map((e) => [e.outcome, e.stored, e.bodyOmitted])).toEqual([['execute', true, true]])
   })
 
   it('publishes in-progress, wait and store-error', async () => {

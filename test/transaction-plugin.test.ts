@@ -4,7 +4,7 @@
  */
 import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
-import idempotency, { idempotencyErrorHandler, MemoryStorage, type StorageTransaction, type StoredResponse, type TransactionalStorage } from '../lib/index.js'
+import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOptions, type StorageTransaction, type StoredResponse, type TransactionalStorage } from '../lib/index.js'
 import { transactionOf } from '../lib/knex.js'
 import { newKey } from './helpers/app.js'
 
@@ -41,9 +41,9 @@ function recording (failure: () => Failure) {
   return { storage, log }
 }
 
-async function appWith (storage: TransactionalStorage) {
+async function appWith (storage: TransactionalStorage, options: IdempotencyOptions = {}) {
   const app = Fastify()
-  await app.register(idempotency, { storage, transaction: true, maxResponseBytes: 100 })
+  await app.register(idempotency, { storage, transaction: true, maxResponseBytes: 100, ...options })
   app.setErrorHandler(idempotencyErrorHandler())
   app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
     const handle = request.idempotency!.transaction as { writes: string[] }
@@ -98,9 +98,17 @@ describe('transaction mode (plugin side)', () => {
     })
   }
 
-  it('refuses to send a success it cannot store (too large), rolling back', async () => {
+  it('commits the writes of a success too large to store with its outcome, and sends it', async () => {
     const { storage, log } = recording(() => 'none')
     const send = await appWith(storage)
+    const res = await send(newKey(), 'big')
+    expect(res.statusCode).toBe(200)
+    expect(log).toEqual(['open', 'write', 'complete', 'commit'])
+  })
+
+  it("with unstorableResponse: 'release', refuses to send a success it cannot store (too large), rolling back", async () => {
+    const { storage, log } = recording(() => 'none')
+    const send = await appWith(storage, { unstorableResponse: 'release' })
     const res = await send(newKey(), 'big')
     expect(res.statusCode).toBe(503)
     expect(log).toEqual(['open', 'write', 'rollback', 'release'])

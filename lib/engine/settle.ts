@@ -43,7 +43,7 @@ export async function settle (engine: RouteEngine, state: RequestState, statusCo
     ? await settleAlone(engine, state, response, reason)
     : await settleTransaction(engine, state, state.transaction, response, reason)
   if (settlement.retrying === true) void keepStoring(engine, state, statusCode, response!)
-  else reportExecuted(engine, state, statusCode, settlement)
+  else reportExecuted(engine, state, statusCode, settlement, response)
   return settlement
 }
 
@@ -109,7 +109,7 @@ async function keepStoring (engine: RouteEngine, state: RequestState, statusCode
   if (!settlement.stored && settlement.reason === 'store-error') {
     reporter.report(state, 'store-error', { phase: 'complete' }, 'error', 'idempotency store refused the response until maxLockHold: gave up storing it; the lease lapses and a retry runs the handler again')
   }
-  reportExecuted(engine, state, statusCode, settlement)
+  reportExecuted(engine, state, statusCode, settlement, response)
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
@@ -141,6 +141,7 @@ async function settleTransaction ({ storage, settings, reporter, deadline }: Rou
 }
 
 /** The handler ran: say whether its response was stored, and if not, why. */
-function reportExecuted ({ reporter }: RouteEngine, state: RequestState, statusCode: number, settlement: Settlement): void {
-  reporter.report(state, 'execute', settlement.stored ? { statusCode, stored: true } : { statusCode, stored: false, reason: settlement.reason })
+function reportExecuted ({ reporter }: RouteEngine, state: RequestState, statusCode: number, settlement: Settlement, response: StoredResponse | null): void {
+  if (!settlement.stored) reporter.report(state, 'execute', { statusCode, stored: false, reason: settlement.reason })
+  else reporter.report(state, 'execute', response?.bodyOmitted === true ? { statusCode, stored: true, bodyOmitted: true } : { statusCode, stored: true })
 }

@@ -89,6 +89,7 @@ function expectCompleted (result: BeginResult, fingerprint: string, response: St
   assert.deepEqual(result.response.headers, response.headers)
   assert.ok(Buffer.isBuffer(result.response.body), 'body must come back as a Buffer')
   assert.ok(result.response.body.equals(response.body), 'body must come back byte for byte')
+  assert.equal(result.response.bodyOmitted === true, response.bodyOmitted === true, 'bodyOmitted must come back as stored')
 }
 
 export function storageConformance (
@@ -148,6 +149,17 @@ export function storageConformance (
       ]
       for (const response of cases) {
         const key = freshKey('binary')
+        const token = expectAcquired(await store().begin(key, 'fp', LEASE))
+        assert.equal(await store().complete(key, token, response, EXPIRY), true)
+        expectCompleted(await store().begin(key, 'fp', LEASE), 'fp', response)
+      }
+    })
+
+    it('keeps an outcome whose body was omitted apart from an empty body', async () => {
+      const omitted = sampleResponse({ statusCode: 200, body: Buffer.alloc(0), bodyOmitted: true })
+      const empty = sampleResponse({ statusCode: 200, body: Buffer.alloc(0) })
+      for (const response of [omitted, empty, omitted]) {
+        const key = freshKey('omitted')
         const token = expectAcquired(await store().begin(key, 'fp', LEASE))
         assert.equal(await store().complete(key, token, response, EXPIRY), true)
         expectCompleted(await store().begin(key, 'fp', LEASE), 'fp', response)

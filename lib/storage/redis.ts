@@ -131,7 +131,8 @@ const MARK_WAITING = new Script(MARK_WAITING_LUA)
 type SetNxGet = (key: string, value: string, px: 'PX', ttl: number, nx: 'NX', get: 'GET') => Promise<Buffer | null>
 type Subscriber = (Redis | Cluster) & { on: (event: string, listener: (...args: unknown[]) => void) => unknown }
 
-type Head = [statusCode: number, contentType: string | null, headers: StoredResponse['headers']]
+/** The fourth element, 1, only when the body was omitted. */
+type Head = [statusCode: number, contentType: string | null, headers: StoredResponse['headers'], bodyOmitted?: 1]
 
 const LEASE = 0x4c // 'L'
 const ENTRY = 0x43 // 'C'
@@ -175,7 +176,9 @@ function decodeBegin (value: Buffer | null, token: string, fingerprint: string):
     state: 'completed',
     fingerprint: value.toString('latin1', bar + 1, fingerprintEnd),
     // A view into the reply, not a copy: the reply buffer is ours alone.
-    response: { statusCode: head[0], contentType: head[1], headers: head[2], body: value.subarray(headEnd) }
+    response: head[3] === 1
+      ? { statusCode: head[0], contentType: head[1], headers: head[2], body: value.subarray(headEnd), bodyOmitted: true }
+      : { statusCode: head[0], contentType: head[1], headers: head[2], body: value.subarray(headEnd) }
   }
 }
 
@@ -186,7 +189,7 @@ function decodeBegin (value: Buffer | null, token: string, fingerprint: string):
  * other body goes as bytes.
  */
 function encodeEntry (fingerprint: string, response: StoredResponse): string | Buffer {
-  const head = JSON.stringify([response.statusCode, response.contentType, response.headers] satisfies Head)
+  const head = JSON.stringify((response.bodyOmitted === true ? [response.statusCode, response.contentType, response.headers, 1] : [response.statusCode, response.contentType, response.headers]) satisfies Head)
   const text = `C${Buffer.byteLength(fingerprint)}|${fingerprint}${Buffer.byteLength(head)}|${head}`
   return isUtf8(response.body) ? text + response.body.toString('utf8') : Buffer.concat([Buffer.from(text), response.body])
 }

@@ -19,8 +19,14 @@ export interface StoredResponse {
   contentType: string | null
   /** Replayable response headers, lower-case names, without `content-type` (kept above). */
   headers: Record<string, string | string[]>
-  /** The serialized body, byte for byte. */
+  /** The serialized body, byte for byte (empty when `bodyOmitted`). */
   body: Buffer
+  /**
+   * The handler answered, but its body could not be kept (larger than `maxResponseBytes`, a web
+   * stream, a `Response`, a hijacked reply): status and headers are the outcome, replayed with an
+   * empty body. Stores must keep this apart from an empty body. Absent means `false`.
+   */
+  bodyOmitted?: boolean
 }
 
 /** The key was free (or its previous lease or entry had lapsed): the caller now holds the lease. */

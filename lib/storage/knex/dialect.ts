@@ -24,7 +24,8 @@ export interface Completion {
   contentType: string | null
   /** The headers as JSON text. */
   headers: string
-  body: Buffer
+  /** `null` when the body was not kept (see StoredResponse.bodyOmitted). */
+  body: Buffer | null
   now: number
   expiresAt: number
 }

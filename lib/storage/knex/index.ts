@@ -203,7 +203,7 @@ export class KnexStorage implements TransactionalStorage {
   async #complete (db: Knex | Knex.Transaction, key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const id = encodeKey(key)
     const ttl = duration('KnexStorage', 'expiration', expiration)
-    const body = toBuffer(response.body)
+    const body = response.bodyOmitted === true ? null : toBuffer(response.body)
     const headers = JSON.stringify(response.headers ?? {})
     if (!this.#prepared) await this.#prepare()
     const statement = (): Promise<number> => {

@@ -60,7 +60,9 @@ export function toResult (row: Row): BeginResult {
         statusCode: Number(row.status_code),
         contentType: row.content_type ?? null,
         headers: row.headers === null ? {} : JSON.parse(row.headers),
-        body: toBuffer(row.body)
+        body: toBuffer(row.body),
+        // An empty body is stored as an empty value; NULL says the body was not kept.
+        ...(row.body === null ? { bodyOmitted: true } : {})
       }
     }
   }
