@@ -65,13 +65,19 @@ return 1
 
 // ARGV: lease prefix, new lease end (epoch ms), lockTimeout ms. The waiters byte and the
 // fingerprint are kept from the current value, so the lease still reports it to duplicates.
+// A Redis full under noeviction refuses the SET (it may grow the value), but not PEXPIRE: the
+// lease is then extended with the old lease end in its value (duplicates are told a Retry-After
+// too early, which is harmless), rather than let lapse while its response waits to be stored.
 const RENEW_LUA = `
 local value = redis.call('GET', KEYS[1])
 if not value or string.sub(value, 1, ${PREFIX_END}) ~= ARGV[1] then
   return 0
 end
 local bar = string.find(value, '|', ${WAITERS_BYTE + 1}, true)
-redis.call('SET', KEYS[1], string.sub(value, 1, ${WAITERS_BYTE}) .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
+local set = redis.pcall('SET', KEYS[1], string.sub(value, 1, ${WAITERS_BYTE}) .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
+if type(set) == 'table' and set.err then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
 return 1
 `
 
@@ -202,6 +208,7 @@ function encodeEntry (fingerprint: string, response: StoredResponse): string | B
 export class RedisStorage implements IdempotencyStorage {
   readonly #client: ScriptingClient
   readonly #setNxGet: SetNxGet
+  readonly #getBuffer: (key: string) => Promise<Buffer | null>
   readonly #open: string
   readonly #tokens = new TokenGenerator()
   #subscriber: Promise<Subscriber> | null = null
@@ -224,6 +231,7 @@ export class RedisStorage implements IdempotencyStorage {
     }
     this.#client = client
     this.#setNxGet = (client as unknown as { setBuffer: SetNxGet }).setBuffer.bind(client)
+    this.#getBuffer = (client as unknown as { getBuffer: (key: string) => Promise<Buffer | null> }).getBuffer.bind(client)
     this.#open = prefix + '{'
   }
 
@@ -239,7 +247,18 @@ export class RedisStorage implements IdempotencyStorage {
     const ms = duration('RedisStorage', 'lockTimeout', lockTimeout)
     const token = this.#tokens.next()
     const lease = `L${token}-${Date.now() + ms}|${fingerprint}`
-    const value = await this.#setNxGet(this.redisKey(key), lease, 'PX', ms, 'NX', 'GET')
+    const redisKey = this.redisKey(key)
+    let value
+    try {
+      value = await this.#setNxGet(redisKey, lease, 'PX', ms, 'NX', 'GET')
+    } catch (error) {
+      // A Redis full under noeviction refuses SET even for a key that exists; what is there can
+      // still be read, so a replay or an in-flight answer does not fail with it.
+      if (!(error instanceof Error) || !error.message.startsWith('OOM')) throw error
+      const existing = await this.#getBuffer(redisKey)
+      if (existing === null) throw error
+      value = existing
+    }
     return decodeBegin(value, token, fingerprint)
   }
 

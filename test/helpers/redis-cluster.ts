@@ -98,13 +98,11 @@ interface StartedNode {
  * Start one node and wait for "Ready to accept connections". Resolves null when the port was lost
  * to someone else in the meantime (the caller picks another), rejects on any other failure.
  */
-function startNode (port: number, dir: string, deadline: number): Promise<StartedNode | null> {
+function startNode (port: number, dir: string, deadline: number, settings: string[] = clusterSettings(port, dir)): Promise<StartedNode | null> {
   const child = spawn('redis-server', [
     '--port', String(port),
     '--bind', HOST,
-    '--cluster-enabled', 'yes',
-    '--cluster-config-file', join(dir, `nodes-${port}.conf`),
-    '--cluster-node-timeout', '5000',
+    ...settings,
     '--dir', dir,
     '--save', '',
     '--appendonly', 'no',
@@ -144,6 +142,33 @@ function startNode (port: number, dir: string, deadline: number): Promise<Starte
       else reject(new Error(`redis-cluster: node on port ${port} exited (${signal ?? code}):\n${output}`))
     })
   })
+}
+
+function clusterSettings (port: number, dir: string): string[] {
+  return ['--cluster-enabled', 'yes', '--cluster-config-file', join(dir, `nodes-${port}.conf`), '--cluster-node-timeout', '5000']
+}
+
+/**
+ * One throw-away Redis (not a cluster) on a free loopback port, with `settings` on its command
+ * line (`['--maxmemory', '2mb']`, say), for a test that must push a server to its limits.
+ */
+export async function startRedisServer (settings: string[]): Promise<{ port: number, stop: () => Promise<void> }> {
+  const dir = await mkdtemp(join(tmpdir(), 'redis-server-'))
+  const deadline = Date.now() + 30_000
+  for (;;) {
+    const node = await startNode(await freePort(new Set()), dir, deadline, settings)
+    if (node === null) continue
+    let stopped = false
+    return {
+      port: node.port,
+      stop: async () => {
+        if (stopped) return
+        stopped = true
+        await stopNodes([node])
+        await rm(dir, { recursive: true, force: true })
+      }
+    }
+  }
 }
 
 async function clusterInfo (port: number): Promise<string> {
