@@ -7,16 +7,41 @@ import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
 import type { SqlDialect } from './schema.js'
 
-/** The lease `begin` tries to take. Times are epoch ms. */
+/**
+ * "Now" in a statement, in epoch ms. By default the database's own clock, read when the statement
+ * writes (after any wait for a pool connection or a row lock), so a lease or an expiry is always
+ * measured from when it is written: no wait on the client's side can shorten it, as Redis's `PX`
+ * is measured by Redis. With the `now` option (tests), the application's clock, bound as a value.
+ */
+export interface Clock {
+  /** SQL for the time as the statement reaches this expression: after its row locks. */
+  readonly now: string
+  /**
+   * SQL for the time the statement started, for scans: an index can serve a comparison with it,
+   * which a clock read per row (PostgreSQL's clock_timestamp, MySQL's SYSDATE) rules out.
+   */
+  readonly scan: string
+  /** How an integer parameter is written (PostgreSQL wants its type beside the placeholder). */
+  readonly int: string
+  /** The value for one `now` or `scan` placeholder: none with the database's clock. */
+  values: () => number[]
+}
+
+/** The database's clock (its SQL for `now` and `scan`), or the application's `now` when given. */
+export function clockOf (sql: { now: string, scan: string, int: string }, now: (() => number) | undefined): Clock {
+  if (now === undefined) return { ...sql, values: () => [] }
+  return { now: sql.int, scan: sql.int, int: sql.int, values: () => [now()] }
+}
+
+/** The lease `begin` tries to take, `lease` ms long. */
 export interface LeaseRequest {
   id: Buffer
   fingerprint: string
   token: string
-  now: number
-  leaseEnd: number
+  lease: number
 }
 
-/** A response to store, fenced by `token`. */
+/** A response to store for `ttl` ms, fenced by `token`. */
 export interface Completion {
   id: Buffer
   token: string
@@ -26,8 +51,7 @@ export interface Completion {
   headers: string
   /** `null` when the body was not kept (see StoredResponse.bodyOmitted). */
   body: Buffer | null
-  now: number
-  expiresAt: number
+  ttl: number
 }
 
 export interface Dialect {
@@ -39,11 +63,13 @@ export interface Dialect {
   /** Store the response if `token` holds the lease; how many rows changed (0 or 1). */
   complete: (db: Knex | Knex.Transaction, table: string, completion: Completion) => Promise<number>
   /** Drop the lease if `token` holds it; how many rows changed. */
-  release: (knex: Knex, table: string, id: Buffer, token: string, now: number) => Promise<number>
-  /** Extend the lease to `leaseEnd` if `token` holds it; how many rows changed. */
-  renew: (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number) => Promise<number>
-  /** Delete up to `batchSize` rows expired at `now`: how many it chose, and how many went. */
-  purgeBatch: (knex: Knex, table: string, now: number, batchSize: number) => Promise<{ chosen: number, deleted: number }>
+  release: (knex: Knex, table: string, id: Buffer, token: string) => Promise<number>
+  /** Extend the lease to `lease` ms from now if `token` holds it; how many rows changed. */
+  renew: (knex: Knex, table: string, id: Buffer, token: string, lease: number) => Promise<number>
+  /** Delete up to `batchSize` expired rows: how many it chose, and how many went. */
+  purgeBatch: (knex: Knex, table: string, batchSize: number) => Promise<{ chosen: number, deleted: number }>
+  /** How this dialect reads the time. */
+  readonly clock: Clock
   /** The server chose this statement as a deadlock victim: it was rolled back whole and may run again. */
   isDeadlock: (error: unknown) => boolean
 }
@@ -62,13 +88,18 @@ export function bounded (ms: number): Bound {
 }
 
 /** The fenced row of a held lease. */
-function heldLease (db: Knex | Knex.Transaction, table: string, id: Buffer, token: string, now: number): Knex.QueryBuilder {
-  return db(table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhere('lease_end', '>', now)
+function heldLease (db: Knex | Knex.Transaction, table: string, id: Buffer, token: string, clock: Clock): Knex.QueryBuilder {
+  return db(table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhereRaw(`lease_end > ${clock.now}`, clock.values())
+}
+
+/** `ms` from now, as a value to write. */
+function fromNow (db: Knex | Knex.Transaction, clock: Clock, ms: number): Knex.Raw {
+  return db.raw(`${clock.now} + ${clock.int}`, [...clock.values(), ms])
 }
 
 /** `complete` as a plain fenced UPDATE (MySQL, MariaDB, SQLite). */
-export async function updateCompleted (db: Knex | Knex.Transaction, table: string, c: Completion, bound: Bound): Promise<number> {
-  return Number(await bound(heldLease(db, table, c.id, c.token, c.now).update({
+export async function updateCompleted (db: Knex | Knex.Transaction, table: string, c: Completion, clock: Clock, bound: Bound): Promise<number> {
+  return Number(await bound(heldLease(db, table, c.id, c.token, clock).update({
     state: 'completed',
     token: null,
     lease_end: null,
@@ -76,18 +107,18 @@ export async function updateCompleted (db: Knex | Knex.Transaction, table: strin
     content_type: c.contentType,
     headers: c.headers,
     body: c.body,
-    expires_at: c.expiresAt
+    expires_at: fromNow(db, clock, c.ttl)
   })))
 }
 
 /** `release` as a plain fenced DELETE (MySQL, MariaDB, SQLite). */
-export async function deleteLease (knex: Knex, table: string, id: Buffer, token: string, now: number, bound: Bound): Promise<number> {
-  return Number(await bound(heldLease(knex, table, id, token, now).del()))
+export async function deleteLease (knex: Knex, table: string, id: Buffer, token: string, clock: Clock, bound: Bound): Promise<number> {
+  return Number(await bound(heldLease(knex, table, id, token, clock).del()))
 }
 
 /** `renew` on every dialect: the lease end is also when the row stops mattering. */
-export async function extendLease (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number, bound: Bound): Promise<number> {
-  return Number(await bound(heldLease(knex, table, id, token, now).update({ lease_end: leaseEnd, expires_at: leaseEnd })))
+export async function extendLease (knex: Knex, table: string, id: Buffer, token: string, lease: number, clock: Clock, bound: Bound): Promise<number> {
+  return Number(await bound(heldLease(knex, table, id, token, clock).update({ lease_end: fromNow(knex, clock, lease), expires_at: fromNow(knex, clock, lease) })))
 }
 
 /**
@@ -95,10 +126,11 @@ export async function extendLease (knex: Knex, table: string, id: Buffer, token:
  * outer condition is checked again on the row as it is when deleted, so a row that a `begin` took
  * over after the batch was chosen survives.
  */
-export async function purgeBySubquery (knex: Knex, table: string, now: number, batchSize: number, skipLocked: boolean, bound: Bound): Promise<{ chosen: number, deleted: number }> {
-  const batch = knex(table).select('idempotency_key').where('expires_at', '<=', now).limit(batchSize)
+export async function purgeBySubquery (knex: Knex, table: string, batchSize: number, skipLocked: boolean, clock: Clock, bound: Bound): Promise<{ chosen: number, deleted: number }> {
+  const values = clock.values()
+  const batch = knex(table).select('idempotency_key').whereRaw(`expires_at <= ${clock.scan}`, values).limit(batchSize)
   // Concurrent purges take disjoint batches instead of waiting on each other.
   if (skipLocked) batch.forUpdate().skipLocked()
-  const deleted = Number(await bound(knex(table).whereIn('idempotency_key', batch).andWhere('expires_at', '<=', now).del()))
+  const deleted = Number(await bound(knex(table).whereIn('idempotency_key', batch).andWhereRaw(`expires_at <= ${clock.scan}`, values).del()))
   return { chosen: deleted, deleted }
 }

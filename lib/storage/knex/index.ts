@@ -6,7 +6,7 @@
  * `complete`, `release` and `renew` are single statements conditioned on the fencing token. What
  * differs per database is in its dialect module (postgres.ts, mysql.ts, sqlite.ts), chosen once
  * here; waiting on PostgreSQL is pg-listener.ts. All times are epoch milliseconds from the
- * application's clock.
+ * database's clock, read when a statement writes (see Clock in dialect.ts).
  */
 import { setTimeout as sleep } from 'node:timers/promises'
 import type { Knex } from 'knex'
@@ -28,7 +28,11 @@ export interface KnexStorageOptions {
   tableName?: string
   /** Create the table and its index on first use if missing (`CREATE TABLE IF NOT EXISTS`). Default `false`. */
   createTable?: boolean
-  /** Clock in epoch milliseconds; tests inject one. Default `Date.now`. */
+  /**
+   * Clock in epoch milliseconds, for tests that move time. By default leases and expiries are
+   * measured by the database's clock when they are written, so no wait for a pool connection or
+   * a row lock can shorten them.
+   */
   now?: () => number
   /**
    * The longest one statement may run, in ms; past it the server cancels it (PostgreSQL,
@@ -55,11 +59,11 @@ const DEADLOCK_RETRIES = 5
 /** Below the plugin's default storeTimeout (5 s), so the store cancels before the plugin gives up. */
 const DEFAULT_STATEMENT_TIMEOUT = 4000
 
-function pickDialect (knex: Knex, table: string, statementTimeout: number): Dialect {
+function pickDialect (knex: Knex, table: string, statementTimeout: number, now: (() => number) | undefined): Dialect {
   const name = sqlDialect(knex)
-  if (name === 'postgres') return new PostgresDialect(table, statementTimeout)
-  if (name === 'mysql') return new MysqlDialect(statementTimeout)
-  return new SqliteDialect()
+  if (name === 'postgres') return new PostgresDialect(table, statementTimeout, now)
+  if (name === 'mysql') return new MysqlDialect(statementTimeout, now)
+  return new SqliteDialect(now)
 }
 
 export class KnexStorage implements TransactionalStorage {
@@ -67,7 +71,6 @@ export class KnexStorage implements TransactionalStorage {
   readonly #table: string
   readonly #dialect: Dialect
   readonly #createTable: boolean
-  readonly #now: () => number
   readonly #tokens = new TokenGenerator()
   #ready: Promise<void> | undefined
   #prepared = false
@@ -87,18 +90,17 @@ export class KnexStorage implements TransactionalStorage {
     if (options.now !== undefined && typeof options.now !== 'function') throw new TypeError('KnexStorage: now must be a function')
     const statementTimeout = options.statementTimeout ?? DEFAULT_STATEMENT_TIMEOUT
     if (!Number.isSafeInteger(statementTimeout) || statementTimeout < 0) throw new TypeError('KnexStorage: statementTimeout must be a whole number of milliseconds, or 0')
-    this.#dialect = pickDialect(options.knex, tableName, statementTimeout)
+    this.#dialect = pickDialect(options.knex, tableName, statementTimeout, options.now)
     this.#knex = options.knex
     this.#table = tableName
     this.#createTable = options.createTable === true
-    this.#now = options.now ?? Date.now
     if (this.#dialect instanceof PostgresDialect && PgListener.canListen(options.knex)) {
       const listener = new PgListener({
         knex: options.knex,
         table: tableName,
         channel: this.#dialect.channel,
         bound: this.#dialect.bound,
-        now: this.#now,
+        clock: this.#dialect.clock,
         retrying: (statement) => this.#retrying(statement),
         prepare: () => this.#prepare()
       })
@@ -124,10 +126,7 @@ export class KnexStorage implements TransactionalStorage {
     if (!this.#prepared) await this.#prepare()
     const token = this.#tokens.next()
     for (let round = 0; round < BEGIN_ROUNDS; round++) {
-      const result = await this.#retrying(() => {
-        const now = this.#now()
-        return this.#dialect.begin(this.#knex, this.#table, { id, fingerprint, token, now, leaseEnd: now + lease })
-      })
+      const result = await this.#retrying(() => this.#dialect.begin(this.#knex, this.#table, { id, fingerprint, token, lease }))
       if (result !== undefined) return result
     }
     throw new Error(`KnexStorage: begin did not settle after ${BEGIN_ROUNDS} rounds of concurrent changes to one key`)
@@ -158,17 +157,14 @@ export class KnexStorage implements TransactionalStorage {
   async release (key: string, token: string): Promise<boolean> {
     const id = encodeKey(key)
     if (!this.#prepared) await this.#prepare()
-    return await this.#retrying(() => this.#dialect.release(this.#knex, this.#table, id, token, this.#now())) === 1
+    return await this.#retrying(() => this.#dialect.release(this.#knex, this.#table, id, token)) === 1
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
     const id = encodeKey(key)
     const lease = duration('KnexStorage', 'lockTimeout', lockTimeout)
     if (!this.#prepared) await this.#prepare()
-    return await this.#retrying(() => {
-      const now = this.#now()
-      return this.#dialect.renew(this.#knex, this.#table, id, token, now, now + lease)
-    }) === 1
+    return await this.#retrying(() => this.#dialect.renew(this.#knex, this.#table, id, token, lease)) === 1
   }
 
   /**
@@ -181,10 +177,9 @@ export class KnexStorage implements TransactionalStorage {
     const batchSize = options.batchSize ?? 1000
     if (!Number.isSafeInteger(batchSize) || batchSize < 1) throw new TypeError('KnexStorage: batchSize must be a positive integer')
     if (!this.#prepared) await this.#prepare()
-    const now = this.#now()
     let total = 0
     for (;;) {
-      const { chosen, deleted } = await this.#retrying(() => this.#dialect.purgeBatch(this.#knex, this.#table, now, batchSize))
+      const { chosen, deleted } = await this.#retrying(() => this.#dialect.purgeBatch(this.#knex, this.#table, batchSize))
       total += deleted
       // A short batch means nothing expired is left (or another purge is taking it).
       if (chosen < batchSize) return total
@@ -206,10 +201,8 @@ export class KnexStorage implements TransactionalStorage {
     const body = response.bodyOmitted === true ? null : toBuffer(response.body)
     const headers = JSON.stringify(response.headers ?? {})
     if (!this.#prepared) await this.#prepare()
-    const statement = (): Promise<number> => {
-      const now = this.#now()
-      return this.#dialect.complete(db, this.#table, { id, token, statusCode: response.statusCode, contentType: response.contentType ?? null, headers, body, now, expiresAt: now + ttl })
-    }
+    const completion = { id, token, statusCode: response.statusCode, contentType: response.contentType ?? null, headers, body, ttl }
+    const statement = (): Promise<number> => this.#dialect.complete(db, this.#table, completion)
     // Inside a transaction a deadlock aborts the whole transaction: retrying one statement of it
     // would be wrong, so only the stand-alone statement is retried.
     const changed = db === this.#knex ? await this.#retrying(statement) : await statement().catch((error: unknown) => { throw trimmed(error) })

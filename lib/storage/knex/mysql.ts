@@ -4,30 +4,38 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, deleteLease, extendLease, updateCompleted, type Bound, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, clockOf, deleteLease, extendLease, updateCompleted, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, readLive, toResult, type Row } from './rows.js'
 
 // ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition. Assignments run
 // left to right and see the columns already assigned, so `expires_at`, which the condition reads,
-// comes last. affectedRows cannot tell an insert from an untouched row when the client sets
-// CLIENT_FOUND_ROWS (mysql2 does by default), so LAST_INSERT_ID(expr), which the server reports as
-// the OK packet's insertId, does: 0 inserted, 1 taken over, 2 left alone.
-const BEGIN = `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
-VALUES (?, ?, 'in_flight', ?, ?, ?)
+// comes last. The first assignment reads the clock (`N`) once the row is locked and keeps it in a
+// session variable, so every assignment judges the row by the same instant and the lease taken
+// over is measured from when it is written. affectedRows cannot tell an insert from an untouched
+// row when the client sets CLIENT_FOUND_ROWS (mysql2 does by default), so LAST_INSERT_ID(expr),
+// which the server reports as the OK packet's insertId, does: 0 inserted, 1 taken over, 2 left alone.
+const begin = (N: string): string => `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+VALUES (?, ?, 'in_flight', ?, ${N} + ?, ${N} + ?)
 ON DUPLICATE KEY UPDATE
-  fingerprint = IF(expires_at <= ?, ?, fingerprint),
-  state = IF(expires_at <= ?, 'in_flight', state),
-  token = IF(expires_at <= ?, ?, token),
-  lease_end = IF(expires_at <= ?, ?, lease_end),
-  status_code = IF(expires_at <= ?, NULL, status_code),
-  content_type = IF(expires_at <= ?, NULL, content_type),
-  headers = IF(expires_at <= ?, NULL, headers),
-  body = IF(expires_at <= ?, NULL, body),
-  expires_at = IF(LAST_INSERT_ID(IF(expires_at <= ?, 1, 2)) = 1, ?, expires_at)`
-// MariaDB 10.5+ returns the row as it stands after the upsert, whichever branch ran: the replay
-// needs no second statement.
-const BEGIN_RETURNING = `${BEGIN}
-RETURNING token, ${COLUMNS}`
+  fingerprint = IF(expires_at <= (@idempotency_now := ${N}), ?, fingerprint),
+  state = IF(expires_at <= @idempotency_now, 'in_flight', state),
+  token = IF(expires_at <= @idempotency_now, ?, token),
+  lease_end = IF(expires_at <= @idempotency_now, @idempotency_now + ?, lease_end),
+  status_code = IF(expires_at <= @idempotency_now, NULL, status_code),
+  content_type = IF(expires_at <= @idempotency_now, NULL, content_type),
+  headers = IF(expires_at <= @idempotency_now, NULL, headers),
+  body = IF(expires_at <= @idempotency_now, NULL, body),
+  expires_at = IF(LAST_INSERT_ID(IF(expires_at <= @idempotency_now, 1, 2)) = 1, @idempotency_now + ?, expires_at)`
+
+/**
+ * The server's clock in epoch ms: SYSDATE() is read when evaluated (after a row lock), NOW() is
+ * fixed for the statement, so an index range scan can compare with it.
+ */
+const SERVER_CLOCK = {
+  now: 'CAST(UNIX_TIMESTAMP(SYSDATE(3)) * 1000 AS SIGNED)',
+  scan: 'CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)',
+  int: '?'
+}
 
 /** MariaDB 10.5 added INSERT ... RETURNING; MySQL has none. */
 export function hasInsertReturning (version: string): boolean {
@@ -42,11 +50,18 @@ export function hasInsertReturning (version: string): boolean {
 export class MysqlDialect implements Dialect {
   readonly name = 'mysql' as const
   readonly bound: Bound
+  readonly clock: Clock
+  readonly #begin: string
+  /** MariaDB 10.5+ returns the row as it stands after the upsert, whichever branch ran: a replay needs no second statement. */
+  readonly #beginReturning: string
   /** MariaDB 10.5+: `begin` returns the row in the upsert itself. */
   #returning = false
 
-  constructor (statementTimeout: number) {
+  constructor (statementTimeout: number, now: (() => number) | undefined) {
     this.bound = bounded(statementTimeout)
+    this.clock = clockOf(SERVER_CLOCK, now)
+    this.#begin = begin(this.clock.now)
+    this.#beginReturning = `${this.#begin}\nRETURNING token, ${COLUMNS}`
   }
 
   async prepare (knex: Knex): Promise<void> {
@@ -54,35 +69,35 @@ export class MysqlDialect implements Dialect {
     this.#returning = hasInsertReturning(String(rows?.[0]?.version ?? ''))
   }
 
-  async begin (knex: Knex, table: string, { id, fingerprint, token, now, leaseEnd }: LeaseRequest): Promise<BeginResult | undefined> {
-    // In the order of the placeholders: the insert, then each assignment's condition and value.
-    const bindings = [table, id, fingerprint, token, leaseEnd, leaseEnd,
-      now, fingerprint, now, now, token, now, leaseEnd, now, now, now, now, now, leaseEnd]
+  async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
+    const t = this.clock.values()
+    // In the order of the placeholders: the insert, then the assignments' values.
+    const bindings = [table, id, fingerprint, token, ...t, lease, ...t, lease, ...t, fingerprint, token, lease, lease]
     if (this.#returning) {
-      const [rows] = await this.bound(knex.raw(BEGIN_RETURNING, bindings))
+      const [rows] = await this.bound(knex.raw(this.#beginReturning, bindings))
       const row = (rows as Row[])[0]
       if (row === undefined) return undefined
       if (row.token === token) return { state: 'acquired', token }
       // The upsert left the row alone, so it was live at `now`: in flight or completed.
       return toResult(row)
     }
-    const [header] = await this.bound(knex.raw(BEGIN, bindings))
+    const [header] = await this.bound(knex.raw(this.#begin, bindings))
     const outcome = Number((header as { insertId?: unknown }).insertId)
     if (outcome === 0 || outcome === 1) return { state: 'acquired', token }
     if (outcome !== 2) throw new Error(`KnexStorage: unexpected upsert outcome ${outcome}`)
-    return await readLive(knex, table, id, now, this.bound)
+    return await readLive(knex, table, id, this.clock, this.bound)
   }
 
   async complete (db: Knex | Knex.Transaction, table: string, completion: Completion): Promise<number> {
-    return await updateCompleted(db, table, completion, this.bound)
+    return await updateCompleted(db, table, completion, this.clock, this.bound)
   }
 
-  async release (knex: Knex, table: string, id: Buffer, token: string, now: number): Promise<number> {
-    return await deleteLease(knex, table, id, token, now, this.bound)
+  async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
+    return await deleteLease(knex, table, id, token, this.clock, this.bound)
   }
 
-  async renew (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number): Promise<number> {
-    return await extendLease(knex, table, id, token, now, leaseEnd, this.bound)
+  async renew (knex: Knex, table: string, id: Buffer, token: string, lease: number): Promise<number> {
+    return await extendLease(knex, table, id, token, lease, this.clock, this.bound)
   }
 
   /**
@@ -91,12 +106,13 @@ export class MysqlDialect implements Dialect {
    * in, and InnoDB then keeps picking one of the two as a deadlock victim. (MySQL also refuses
    * LIMIT inside an IN subquery.)
    */
-  async purgeBatch (knex: Knex, table: string, now: number, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    const rows = await this.bound(knex(table).select('idempotency_key').where('expires_at', '<=', now)
+  async purgeBatch (knex: Knex, table: string, batchSize: number): Promise<{ chosen: number, deleted: number }> {
+    const expired = `expires_at <= ${this.clock.scan}`
+    const rows = await this.bound(knex(table).select('idempotency_key').whereRaw(expired, this.clock.values())
       .orderBy('expires_at').limit(batchSize)) as Array<{ idempotency_key: Buffer }>
     if (rows.length === 0) return { chosen: 0, deleted: 0 }
     const deleted = await this.bound(knex(table).whereIn('idempotency_key', rows.map((row) => row.idempotency_key))
-      .andWhere('expires_at', '<=', now).del())
+      .andWhereRaw(expired, this.clock.values()).del())
     return { chosen: rows.length, deleted: Number(deleted) }
   }
 

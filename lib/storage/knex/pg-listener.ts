@@ -10,13 +10,13 @@
  */
 import type { Knex } from 'knex'
 import { KeyWaiters, type Waiter } from '../waiters.js'
-import type { Bound } from './dialect.js'
+import type { Bound, Clock } from './dialect.js'
 import { millis, trimmed } from './rows.js'
 
 // A waiter marks the lease it waits for, and learns in the same step whether it is still held.
-const MARK_WAITING = `UPDATE ?? SET waiting = true
-WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ?
-RETURNING lease_end`
+const markWaiting = (N: string): string => `UPDATE ?? SET waiting = true
+WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ${N}
+RETURNING lease_end - ${N} AS remaining`
 
 /** The listening connection: a pg `Client` of knex's driver, outside knex's pool. */
 interface PgConnection {
@@ -45,7 +45,8 @@ export interface PgListenerContext {
   knex: Knex
   table: string
   channel: string
-  now: () => number
+  /** The store's clock: the lease's remaining time is the database's to say. */
+  clock: Clock
   /** Bounds a statement in time (see dialect.ts). */
   bound: Bound
   /** Runs a statement, again if the server picked it as a deadlock victim. */
@@ -60,8 +61,11 @@ export class PgListener {
   /** Waits by the key as notifications carry it: its UTF-8 bytes in base64. */
   readonly #waiters = new KeyWaiters()
 
+  readonly #markWaiting: string
+
   constructor (context: PgListenerContext) {
     this.#context = context
+    this.#markWaiting = markWaiting(context.clock.now)
   }
 
   /**
@@ -103,7 +107,7 @@ export class PgListener {
 
   /** Listen, then mark the row; settles the waiter at once when the lease is not held any more. */
   async #subscribe (id: Buffer, waiter: Waiter): Promise<void> {
-    const { knex, table, now, retrying, prepare } = this.#context
+    const { knex, table, clock, retrying, prepare } = this.#context
     try {
       await prepare()
       const listener = this.#listening()
@@ -111,13 +115,13 @@ export class PgListener {
       if (waiter.settled) return
       if (listener.failure !== undefined) throw listener.failure
       // Subscribed before the mark: the notification may overtake the mark's answer.
-      const leaseEnd = await retrying(async () => {
-        const { rows } = await this.#context.bound(knex.raw(MARK_WAITING, [table, id, now()]))
-        return rows.length === 0 ? undefined : millis((rows[0] as { lease_end: unknown }).lease_end)
+      const remaining = await retrying(async () => {
+        const { rows } = await this.#context.bound(knex.raw(this.#markWaiting, [table, id, ...clock.values(), ...clock.values()]))
+        return rows.length === 0 ? undefined : millis((rows[0] as { remaining: unknown }).remaining)
       })
-      if (leaseEnd === undefined) waiter.settle()
+      if (remaining === undefined) waiter.settle()
       // A lease that lapses ends without a notification: wake up then, if that is before the timeout.
-      else waiter.shorten(leaseEnd - now())
+      else waiter.shorten(remaining)
     } catch (error) {
       waiter.settle(trimmed(error))
     }

@@ -4,7 +4,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, extendLease, purgeBySubquery, type Bound, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, clockOf, extendLease, purgeBySubquery, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, toResult, type Row } from './rows.js'
 import { notificationChannel } from './schema.js'
 
@@ -12,18 +12,19 @@ import { notificationChannel } from './schema.js'
 // `taken` try to insert, and ON CONFLICT then decides on the newest row version, under its row
 // lock, whether the row is free to take over. A replay is thus a plain read (no row lock, no
 // write). When the insert lost to a row committed after our snapshot, both parts come back empty
-// and the caller runs the statement again with a fresh snapshot.
-const BEGIN = `WITH live AS (
-  SELECT ${COLUMNS} FROM ?? WHERE idempotency_key = ? AND expires_at > ?
+// and the caller runs the statement again with a fresh snapshot. `N` is the clock: read after the
+// row lock, so the lease taken over is measured from when it is written.
+const begin = (N: string): string => `WITH live AS (
+  SELECT ${COLUMNS} FROM ?? WHERE idempotency_key = ? AND expires_at > ${N}
 ), taken AS (
   INSERT INTO ?? AS cur (idempotency_key, fingerprint, state, token, lease_end, expires_at)
-  SELECT ?::bytea, ?::text, 'in_flight', ?::text, ?::bigint, ?::bigint
+  SELECT ?::bytea, ?::text, 'in_flight', ?::text, ${N} + ?::bigint, ${N} + ?::bigint
   WHERE NOT EXISTS (SELECT 1 FROM live)
   ON CONFLICT (idempotency_key) DO UPDATE SET
     fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
-    lease_end = excluded.lease_end, expires_at = excluded.expires_at,
+    lease_end = ${N} + ?::bigint, expires_at = ${N} + ?::bigint,
     status_code = NULL, content_type = NULL, headers = NULL, body = NULL, waiting = false
-  WHERE cur.expires_at <= ?::bigint
+  WHERE cur.expires_at <= ${N}
   RETURNING 1
 )
 SELECT (SELECT count(*) FROM taken)::integer AS taken, live.* FROM (VALUES (1)) AS one LEFT JOIN live ON true`
@@ -34,18 +35,25 @@ SELECT (SELECT count(*) FROM taken)::integer AS taken, live.* FROM (VALUES (1)) 
 // waits for skips it. CASE is the construct whose order of evaluation PostgreSQL guarantees, so
 // pg_notify runs only for a marked row. RETURNING gives `waiting` as the newest row version has
 // it: a mark that committed while the statement waited for the row lock is seen.
-const COMPLETE = `WITH done AS (
-  UPDATE ?? SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?,
-    headers = ?, body = ?, expires_at = ?
-  WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ?
+const notifying = (change: string): string => `WITH done AS (
+  ${change}
   RETURNING waiting
 )
 SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
-const RELEASE = `WITH done AS (
-  DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ?
-  RETURNING waiting
-)
-SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
+const complete = (N: string): string => notifying(`UPDATE ?? SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?,
+    headers = ?, body = ?, expires_at = ${N} + ?::bigint
+  WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
+const release = (N: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
+
+/**
+ * The server's clock in epoch ms: clock_timestamp() advances within a statement (read after a
+ * row lock); statement_timestamp() is fixed for it, so an index scan can compare with it.
+ */
+const SERVER_CLOCK = {
+  now: '(extract(epoch from clock_timestamp()) * 1000)::bigint',
+  scan: '(extract(epoch from statement_timestamp()) * 1000)::bigint',
+  int: '?::bigint'
+}
 
 /** 40001 only arises when the server's default isolation is stricter than READ COMMITTED. */
 const DEADLOCK_CODES = new Set(['40P01', '40001'])
@@ -55,16 +63,26 @@ export class PostgresDialect implements Dialect {
   /** The table's NOTIFY channel (see pg-listener.ts). */
   readonly channel: string
   readonly bound: Bound
+  readonly clock: Clock
+  readonly #begin: string
+  readonly #complete: string
+  readonly #release: string
 
-  constructor (table: string, statementTimeout: number) {
+  constructor (table: string, statementTimeout: number, now: (() => number) | undefined) {
     this.channel = notificationChannel(table)
     this.bound = bounded(statementTimeout)
+    this.clock = clockOf(SERVER_CLOCK, now)
+    this.#begin = begin(this.clock.now)
+    this.#complete = complete(this.clock.now)
+    this.#release = release(this.clock.now)
   }
 
   async prepare (): Promise<void> {}
 
-  async begin (knex: Knex, table: string, { id, fingerprint, token, now, leaseEnd }: LeaseRequest): Promise<BeginResult | undefined> {
-    const { rows } = await this.bound(knex.raw(BEGIN, [table, id, now, table, id, fingerprint, token, leaseEnd, leaseEnd, now]))
+  async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
+    const t = this.clock.values()
+    const { rows } = await this.bound(knex.raw(this.#begin, [table, id, ...t, table, id, fingerprint, token,
+      ...t, lease, ...t, lease, ...t, lease, ...t, lease, ...t]))
     const row = rows[0] as (Row & { taken: number }) | undefined
     if (row !== undefined && Number(row.taken) === 1) return { state: 'acquired', token }
     if (row === undefined || row.state === null) return undefined
@@ -72,19 +90,20 @@ export class PostgresDialect implements Dialect {
   }
 
   async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
-    return await this.#notifying(db, COMPLETE, c.id, [table, c.statusCode, c.contentType, c.headers, c.body, c.expiresAt, c.id, c.token, c.now])
+    const t = this.clock.values()
+    return await this.#notifying(db, this.#complete, c.id, [table, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t])
   }
 
-  async release (knex: Knex, table: string, id: Buffer, token: string, now: number): Promise<number> {
-    return await this.#notifying(knex, RELEASE, id, [table, id, token, now])
+  async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
+    return await this.#notifying(knex, this.#release, id, [table, id, token, ...this.clock.values()])
   }
 
-  async renew (knex: Knex, table: string, id: Buffer, token: string, now: number, leaseEnd: number): Promise<number> {
-    return await extendLease(knex, table, id, token, now, leaseEnd, this.bound)
+  async renew (knex: Knex, table: string, id: Buffer, token: string, lease: number): Promise<number> {
+    return await extendLease(knex, table, id, token, lease, this.clock, this.bound)
   }
 
-  async purgeBatch (knex: Knex, table: string, now: number, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    return await purgeBySubquery(knex, table, now, batchSize, true, this.bound)
+  async purgeBatch (knex: Knex, table: string, batchSize: number): Promise<{ chosen: number, deleted: number }> {
+    return await purgeBySubquery(knex, table, batchSize, true, this.clock, this.bound)
   }
 
   isDeadlock (error: unknown): boolean {

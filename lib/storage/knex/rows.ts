@@ -4,6 +4,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
+import type { Clock } from './dialect.js'
 import { MAX_KEY_BYTES } from './schema.js'
 
 /** A row as the drivers return it. */
@@ -73,8 +74,8 @@ export function toResult (row: Row): BeginResult {
 }
 
 /** The row as a live result, or `undefined` when it vanished or died since an upsert saw it. */
-export async function readLive (db: Knex, table: string, id: Buffer, now: number, bound: <Q extends Knex.QueryBuilder>(query: Q) => Q): Promise<BeginResult | undefined> {
-  const row = await bound(db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhere('expires_at', '>', now)) as Row | undefined
+export async function readLive (db: Knex, table: string, id: Buffer, clock: Clock, bound: <Q extends Knex.QueryBuilder>(query: Q) => Q): Promise<BeginResult | undefined> {
+  const row = await bound(db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhereRaw(`expires_at > ${clock.now}`, clock.values())) as Row | undefined
   return row === undefined ? undefined : toResult(row)
 }
 
