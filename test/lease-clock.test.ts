@@ -6,7 +6,7 @@
  * server where a row lock can make a statement wait.
  */
 import { setTimeout as sleep } from 'node:timers/promises'
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest'
 import knexFactory, { type Knex } from 'knex'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
@@ -79,7 +79,7 @@ for (const server of servers) {
       } finally {
         await trx.rollback()
       }
-      while (!started) await sleep(10)
+      await vi.waitFor(() => { expect(started).toBe(true) }, { timeout: 5000, interval: 10 })
       // Well inside the lease as written, well past the lease as measured before the wait.
       await sleep(LEASE / 4)
       const duplicate = await post(key)
