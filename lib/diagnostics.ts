@@ -20,6 +20,11 @@ export type IdempotencyOutcome =
   | 'lease-lost'
   /** The store failed; `phase` says where, `failOpen` whether the handler ran anyway. */
   | 'store-error'
+  /**
+   * With encryption on, a stored entry could not be opened (altered, sealed with a key no longer
+   * configured, or not sealed): refused with 409, the handler not run.
+   */
+  | 'unreadable'
 
 export interface IdempotencyEvent {
   outcome: IdempotencyOutcome
@@ -48,7 +53,7 @@ export interface IdempotencyEvent {
 /** Channel names: `fastify-idempotency:<outcome>`. */
 export const CHANNEL_PREFIX = 'fastify-idempotency:'
 
-const outcomes: readonly IdempotencyOutcome[] = ['execute', 'replay', 'mismatch', 'in-progress', 'wait', 'lease-lost', 'store-error']
+const outcomes: readonly IdempotencyOutcome[] = ['execute', 'replay', 'mismatch', 'in-progress', 'wait', 'lease-lost', 'store-error', 'unreadable']
 
 /** One channel per outcome, so a subscriber listens to exactly what it counts. */
 export const channels = Object.fromEntries(

@@ -138,6 +138,22 @@ export class IdempotencyStoreUnavailableError extends IdempotencyError {
   }
 }
 
+/**
+ * With encryption on, the entry stored under this key cannot be opened: it was altered, sealed
+ * with a key that is no longer configured, or stored unsealed. Nothing is replayed and the
+ * handler does not run (the operation may well have happened); the key stays refused until the
+ * entry expires.
+ */
+export class IdempotencyStoredResponseUnreadableError extends IdempotencyError {
+  static override readonly type = `${PROBLEM_TYPE_BASE}#stored-response-unreadable`
+  static override readonly title = 'Idempotency stored response unreadable'
+  readonly code = 'FST_IDEMPOTENCY_STORED_RESPONSE_UNREADABLE'
+
+  constructor (idempotencyKey: string, cause: unknown) {
+    super('The response stored for this Idempotency-Key cannot be read, so it is not replayed and the request was not processed again; use a new key only if you know the first request did not take effect.', 409, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+  }
+}
+
 /** True for every error this plugin raises. */
 export function isIdempotencyError (error: unknown): error is IdempotencyError {
   return error instanceof IdempotencyError

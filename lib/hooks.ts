@@ -69,7 +69,10 @@ export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTION
 
 /** `safeMethods`: the route also answers GET, HEAD or OPTIONS, whose requests are never guarded. */
 export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods = false): RouteHooks {
-  const engine = createRouteEngine(plugin.storage, settings, url)
+  const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher)
+  const keyedHash = plugin.cipher === null ? undefined : (composed: string) => plugin.cipher!.hashKey(composed)
+  // Warned once: a signed-in client's request on a route whose keys are shared by everyone.
+  let credentialsWarned = settings.scope !== null
   const route: Route = { engine, plugin, settings }
   const { headerName, headerLabel, maxKeyLength } = plugin
 
@@ -115,7 +118,15 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     }
     // Without a scope there is nothing to await: no promise on the path of every request.
     const scope = settings.scope === null ? null : await resolveScope(settings.scope, request)
-    const acquisition = await acquire(engine, state, storageKey(state.key, scope), fingerprint)
+    if (!credentialsWarned && hasCredentials(request)) {
+      credentialsWarned = true
+      request.log.warn(`fastify-idempotency: route ${url} received a request with credentials (Authorization or Cookie) and has no scope: every client's keys share one namespace, so a client that reuses another's key and body gets that client's response. Set scope, for example scope: scopeByHeader('authorization'); see docs/security.md`)
+    }
+    if (settings.redact !== null) {
+      const redact = settings.redact
+      state.redact = (response) => redact(response, request)
+    }
+    const acquisition = await acquire(engine, state, storageKey(state.key, scope, keyedHash), fingerprint)
     switch (acquisition.outcome) {
       case 'run':
         run(route, guarded, reply, state)
@@ -180,6 +191,10 @@ function handOn (reply: FastifyReply, done: (error: Error | null, payload?: unkn
   } catch (late) {
     reply.log.debug({ err: late }, 'fastify-idempotency: a second send of this reply was not written')
   }
+}
+
+function hasCredentials (request: FastifyRequest): boolean {
+  return request.headers.authorization !== undefined || request.headers.cookie !== undefined
 }
 
 async function resolveScope (scope: (request: FastifyRequest) => string | Promise<string>, request: FastifyRequest): Promise<string> {

@@ -98,6 +98,7 @@ export {
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
   IdempotencyStoreUnavailableError,
+  IdempotencyStoredResponseUnreadableError,
   isIdempotencyError,
   PROBLEM_TYPE_BASE
 } from './errors.js'
@@ -106,6 +107,8 @@ export type { ErrorHandler, IdempotencyErrorHandlerOptions, IdempotencyProblem }
 export { CHANNEL_PREFIX, channels } from './diagnostics.js'
 export type { IdempotencyEvent, IdempotencyOutcome } from './diagnostics.js'
 export { scopeByHeader } from './scope.js'
+export type { EncryptionOptions } from './encryption.js'
+export type { Redact } from './options.js'
 export { MemoryStorage } from './storage/memory.js'
 export type { MemoryStorageOptions } from './storage/memory.js'
 export type {

@@ -5,8 +5,9 @@
 import { parse as parseDuration } from '@lukeed/ms'
 import { Ajv, type ErrorObject } from 'ajv'
 import type { FastifyRequest } from 'fastify'
+import { ResponseCipher, type EncryptionOptions } from './encryption.js'
 import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
-import type { IdempotencyStorage, TransactionalStorage } from './storage/types.js'
+import type { IdempotencyStorage, StoredResponse, TransactionalStorage } from './storage/types.js'
 
 /** What a route may set in `config.idempotency` (and what the plugin options set for every route). */
 export interface IdempotencyRouteOptions {
@@ -63,7 +64,17 @@ export interface IdempotencyRouteOptions {
   transaction?: boolean
   /** Namespace keys by principal (tenant, user, API key) so one never receives another's response. */
   scope?: (request: FastifyRequest) => string | Promise<string>
+  /**
+   * Called with each response about to be stored (a copy); returns what to store instead: the
+   * same response with secrets taken out, or with `bodyOmitted: true` to keep only its status and
+   * headers. The client that caused it still gets the response in full; retries get what was
+   * stored. Its status cannot be changed. If it throws, only the status is stored.
+   */
+  redact?: Redact
 }
+
+/** See `IdempotencyRouteOptions.redact`. */
+export type Redact = (response: StoredResponse, request: FastifyRequest) => StoredResponse | Promise<StoredResponse>
 
 export interface IdempotencyOptions extends IdempotencyRouteOptions {
   /** Where responses and leases live (default: a new `MemoryStorage`). */
@@ -78,6 +89,11 @@ export interface IdempotencyOptions extends IdempotencyRouteOptions {
   replaySetCookie?: boolean
   /** More response headers never to store or replay (names, case-insensitive). */
   excludeHeaders?: string[]
+  /**
+   * Encryption at rest (see docs/security.md): stored responses sealed with AES-256-GCM, and keys
+   * and scopes stored as a keyed hash. Default: none.
+   */
+  encryption?: EncryptionOptions
 }
 
 /** What the plugin's options fix for every route, normalized once at register time. */
@@ -92,6 +108,8 @@ export interface PluginSettings {
   replayHeader: string | null
   /** Response headers never stored nor replayed, lower-cased. */
   excludedHeaders: ReadonlySet<string>
+  /** Seals stored responses and hashes storage keys; `null` without `encryption`. */
+  cipher: ResponseCipher | null
   /** The route settings a route with `config.idempotency: true` gets, and an object overrides. */
   defaults: RouteSettings
 }
@@ -119,6 +137,7 @@ export interface RouteSettings {
   /** Milliseconds a duplicate of an in-flight request waits; 0 answers 409 at once. */
   waitTimeout: number
   scope: ((request: FastifyRequest) => string | Promise<string>) | null
+  redact: Redact | null
 }
 
 const DEFAULT_WAIT_TIMEOUT = 10_000
@@ -190,7 +209,8 @@ const routeProperties = {
   waitTimeout: duration,
   transaction: { type: 'boolean' },
   // Functions and objects are checked by hand below: JSON Schema cannot describe them.
-  scope: {}
+  scope: {},
+  redact: {}
 }
 
 /** JSON Schema of the plugin options. */
@@ -204,7 +224,9 @@ export const optionsSchema = {
     maxKeyLength: { type: 'integer', minimum: 1, maximum: 8192 },
     replayHeader: { anyOf: [{ const: false }, { type: 'string', pattern: TOKEN }] },
     replaySetCookie: { type: 'boolean' },
-    excludeHeaders: { type: 'array', items: { type: 'string', pattern: TOKEN } }
+    excludeHeaders: { type: 'array', items: { type: 'string', pattern: TOKEN } },
+    // Buffers: checked by ResponseCipher.
+    encryption: {}
   }
 } as const
 
@@ -243,9 +265,11 @@ function toMilliseconds (value: number | string, name: string, context: string):
   return Math.round(ms)
 }
 
-function checkScope (scope: unknown, context: string): void {
-  if (scope !== undefined && typeof scope !== 'function') {
-    throw new TypeError(`fastify-idempotency: invalid ${context}: scope must be a function of the request`)
+function checkFunctions (options: IdempotencyRouteOptions, context: string): void {
+  for (const name of ['scope', 'redact'] as const) {
+    if (options[name] !== undefined && typeof options[name] !== 'function') {
+      throw new TypeError(`fastify-idempotency: invalid ${context}: ${name} must be a function of the request`)
+    }
   }
 }
 
@@ -280,7 +304,7 @@ function cacheableSet (base: Iterable<number>, add: number[] = [], remove: numbe
 export function normalizeOptions (options: IdempotencyOptions, storage: IdempotencyStorage): PluginSettings {
   const context = 'options'
   check(validateOptions(options), validateOptions.errors, context, 'options')
-  checkScope(options.scope, context)
+  checkFunctions(options, context)
   checkStorage(storage)
   checkWaitTimeout(options.wait === true, options.waitTimeout, context)
   const replayHeader = options.replayHeader ?? 'Idempotent-Replayed'
@@ -296,6 +320,7 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
     maxKeyLength: options.maxKeyLength ?? 255,
     replayHeader: replayHeader === false ? null : replayHeader,
     excludedHeaders: excluded,
+    cipher: options.encryption === undefined ? null : new ResponseCipher(options.encryption),
     defaults: {
       required: options.required ?? false,
       expiration: toMilliseconds(options.expiration ?? '24h', 'expiration', context),
@@ -311,7 +336,8 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
       failOpen: options.failOpen ?? false,
       waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
       transaction: checkTransaction(options.transaction ?? false, storage, context),
-      scope: options.scope ?? null
+      scope: options.scope ?? null,
+      redact: options.redact ?? null
     }
   }
 }
@@ -355,7 +381,7 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
   }
   check(validateRouteConfig(config), validateRouteConfig.errors, context, 'config.idempotency')
   const route = config as IdempotencyRouteOptions
-  checkScope(route.scope, context)
+  checkFunctions(route, context)
   const fingerprintOptions = { ...base.fingerprintOptions, ...route.fingerprint }
   const lockTimeout = route.lockTimeout === undefined ? base.lockTimeout : toMilliseconds(route.lockTimeout, 'lockTimeout', context)
   return {
@@ -373,6 +399,7 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
     failOpen: route.failOpen ?? base.failOpen,
     waitTimeout: routeWaitTimeout(base, route, context),
     transaction: checkTransaction(route.transaction ?? base.transaction, plugin.storage, context),
-    scope: route.scope ?? base.scope
+    scope: route.scope ?? base.scope,
+    redact: route.redact ?? base.redact
   }
 }

@@ -10,8 +10,12 @@ import idempotency, {
   IdempotencyFingerprintMismatchError,
   idempotencyErrorHandler,
   isIdempotencyError,
+  IdempotencyStoredResponseUnreadableError,
   MemoryStorage,
+  scopeByHeader,
   type BeginResult,
+  type EncryptionOptions,
+  type Redact,
   type FingerprintOptions,
   type IdempotencyRequestContext,
   type IdempotencyOptions,
@@ -60,6 +64,21 @@ describe('public types', () => {
     // @ts-expect-error a string is not a route config
     const text: RouteShorthandOptions = { config: { idempotency: 'yes' } }
     expectTypeOf([typo, storage, text]).toMatchTypeOf<RouteShorthandOptions[]>()
+  })
+
+  it('types encryption (plugin-wide) and redact (per route)', () => {
+    const encryption: EncryptionOptions = { keys: [Buffer.alloc(32), 'base64=='], keyHashSecret: Buffer.alloc(32) }
+    const redact: Redact = async (response, request) => ({ ...response, headers: { ...response.headers, by: request.method }, bodyOmitted: true })
+    const options: IdempotencyOptions = { encryption, redact, scope: scopeByHeader('authorization') }
+    expectTypeOf(options.redact).toEqualTypeOf<Redact | undefined>()
+    // @ts-expect-error keyHashSecret is required with encryption
+    const noSecret: EncryptionOptions = { keys: [Buffer.alloc(32)] }
+    // @ts-expect-error encryption is plugin-wide only
+    const routeEncryption: RouteShorthandOptions = { config: { idempotency: { encryption } } }
+    // @ts-expect-error redact returns a stored response
+    const badRedact: Redact = () => 'nothing'
+    expectTypeOf([noSecret, routeEncryption, badRedact]).not.toBeAny()
+    expectTypeOf(new IdempotencyStoredResponseUnreadableError('k', null)).toMatchTypeOf<IdempotencyError>()
   })
 
   it('types the errors: static type and title, instance members, the guard', () => {

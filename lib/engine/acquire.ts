@@ -8,6 +8,7 @@ import {
   IdempotencyFingerprintMismatchError,
   IdempotencyRequestInProgressError,
   IdempotencyStoreUnavailableError,
+  IdempotencyStoredResponseUnreadableError,
   type IdempotencyError
 } from '../errors.js'
 import type { StoredResponse, TransactionalStorage } from '../storage/types.js'
@@ -61,11 +62,7 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
       reporter.report(state, 'mismatch', {}, 'debug', 'idempotency key reused with another fingerprint')
       return { outcome: 'refuse', error: new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode) }
     }
-    if (result.state === 'completed') {
-      state.replay(result.response)
-      reporter.report(state, 'replay', { statusCode: result.response.statusCode }, 'debug', 'idempotency replay')
-      return { outcome: 'replay', response: result.response }
-    }
+    if (result.state === 'completed') return replay(engine, state, storageKey, result.response)
     const now = Date.now()
     if (now >= waitUntil) {
       reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
@@ -73,6 +70,22 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
     }
     await waitForLease(engine, storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
   }
+}
+
+/** Answer with the stored response, opened first when it is sealed (encryption). */
+function replay ({ cipher, reporter }: RouteEngine, state: RequestState, storageKey: string, stored: StoredResponse): Acquisition {
+  let response = stored
+  if (cipher !== null) {
+    try {
+      response = cipher.open(storageKey, stored)
+    } catch (error) {
+      reporter.report(state, 'unreadable', { error }, 'error', 'idempotency stored response cannot be opened (altered, sealed with a key no longer configured, or not sealed): refused with 409, the handler not run')
+      return { outcome: 'refuse', error: new IdempotencyStoredResponseUnreadableError(state.key, error) }
+    }
+  }
+  state.replay(response)
+  reporter.report(state, 'replay', { statusCode: response.statusCode }, 'debug', 'idempotency replay')
+  return { outcome: 'replay', response }
 }
 
 /** Before a route has any history, a duplicate is told to come back after this many ms. */

@@ -2,6 +2,7 @@
  * What the engine needs for one guarded route: its store, its settings, where it reports, and the
  * timer that keeps its running handlers' leases alive. Built once per route, when it is added.
  */
+import type { ResponseCipher } from '../encryption.js'
 import type { RouteSettings } from '../options.js'
 import { MemoryStorage } from '../storage/memory.js'
 import type { IdempotencyStorage } from '../storage/types.js'
@@ -21,16 +22,18 @@ export interface RouteEngine {
   readonly durations: HandlerDurations
   /** Bounds every call to the store by `storeTimeout`. */
   readonly deadline: StoreDeadline
+  /** Seals what is stored and opens what is replayed; `null` without encryption. */
+  readonly cipher: ResponseCipher | null
 }
 
-export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string): RouteEngine {
+export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string, cipher: ResponseCipher | null = null): RouteEngine {
   const reporter = new Reporter(storage.constructor.name, route)
   // The embedded store answers from this process's memory and cannot hang: nothing to bound.
   const deadline = new StoreDeadline(storage instanceof MemoryStorage ? 0 : settings.storeTimeout)
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, settings.maxLockHold,
     (state) => { renewLease(storage, settings, reporter, deadline, state) },
     (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') })
-  return { storage, settings, reporter, renewal, durations: new HandlerDurations(), deadline }
+  return { storage, settings, reporter, renewal, durations: new HandlerDurations(), deadline, cipher }
 }
 
 /** One renewal: the store extends the lease, or says it was lost. */

@@ -39,12 +39,37 @@ const STORED: Settlement = { stored: true, deliverable: true }
 export async function settle (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
   engine.renewal.drop(state)
   engine.durations.record(performance.now() - state.started)
+  const kept = response === null || state.redact === null ? response : await redacted(state, state.redact, response)
+  const stored = kept === null || engine.cipher === null ? kept : engine.cipher.seal(state.storageKey, kept)
   const settlement = state.transaction === null
-    ? await settleAlone(engine, state, response, reason)
-    : await settleTransaction(engine, state, state.transaction, response, reason)
-  if (settlement.retrying === true) void keepStoring(engine, state, statusCode, response!)
-  else reportExecuted(engine, state, statusCode, settlement, response)
+    ? await settleAlone(engine, state, stored, reason)
+    : await settleTransaction(engine, state, state.transaction, stored, reason)
+  if (settlement.retrying === true) void keepStoring(engine, state, statusCode, stored!, kept!)
+  else reportExecuted(engine, state, statusCode, settlement, kept)
   return settlement
+}
+
+/**
+ * What the route's `redact` makes of a copy of `response`. Its status stays. When it throws or
+ * returns something that is not a response, only the status is kept: nothing it was meant to
+ * take out is stored, and a retry still does not run the handler again.
+ */
+async function redacted (state: RequestState, redact: NonNullable<RequestState['redact']>, response: StoredResponse): Promise<StoredResponse> {
+  const statusOnly: StoredResponse = { statusCode: response.statusCode, contentType: null, headers: {}, body: Buffer.alloc(0), bodyOmitted: true }
+  try {
+    const result = await redact({ ...response, headers: { ...response.headers }, body: Buffer.from(response.body) })
+    const omitted = result?.bodyOmitted === true
+    if (result === null || typeof result !== 'object' || (!omitted && !Buffer.isBuffer(result.body)) ||
+      (result.headers !== undefined && (result.headers === null || typeof result.headers !== 'object'))) {
+      throw new TypeError('redact must return a StoredResponse (a Buffer body, or bodyOmitted: true)')
+    }
+    const kept: StoredResponse = { statusCode: response.statusCode, contentType: typeof result.contentType === 'string' ? result.contentType : null, headers: result.headers ?? {}, body: omitted ? Buffer.alloc(0) : result.body }
+    if (omitted) kept.bodyOmitted = true
+    return kept
+  } catch (error) {
+    state.log.error({ err: error, idempotencyKey: state.key }, 'idempotency redact failed: only the status of this response is stored')
+    return statusOnly
+  }
 }
 
 async function settleAlone (engine: RouteEngine, state: RequestState, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
@@ -84,7 +109,7 @@ const LAST_STORE_RETRY_MS = 2000
  * was acquired (then the lease lapses, and a retry of the request runs the handler again: said
  * loudly, in the log and on the diagnostics channels).
  */
-async function keepStoring (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse): Promise<void> {
+async function keepStoring (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse, kept: StoredResponse): Promise<void> {
   const { settings, reporter, renewal } = engine
   renewal.hold(state)
   let settlement: Settlement = { stored: false, reason: 'store-error', deliverable: true }
@@ -109,7 +134,7 @@ async function keepStoring (engine: RouteEngine, state: RequestState, statusCode
   if (!settlement.stored && settlement.reason === 'store-error') {
     reporter.report(state, 'store-error', { phase: 'complete' }, 'error', 'idempotency store refused the response until maxLockHold: gave up storing it; the lease lapses and a retry runs the handler again')
   }
-  reportExecuted(engine, state, statusCode, settlement, response)
+  reportExecuted(engine, state, statusCode, settlement, kept)
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */

@@ -9,6 +9,9 @@
  * one longer than MAX_STORAGE_KEY_BYTES in UTF-8, is replaced by a hash of it:
  * `\u0000sha256:<base64url digest>`. It cannot equal a key that was not hashed: an unscoped key
  * is printable ASCII (no NUL), and a scoped one contains a line feed (a digest never does).
+ *
+ * With encryption on, every key is a keyed hash of the same composition instead
+ * (`\u0000hmac:<base64url digest>`, see encryption.ts): the store learns neither key nor scope.
  */
 import { hash } from 'node:crypto'
 
@@ -24,7 +27,8 @@ export const HASHED_KEY_PREFIX = '\u0000sha256:'
 /** In `u` mode a well-formed pair reads as one code point, so this finds lone surrogates only. */
 const LONE_SURROGATE = /\p{Surrogate}/u
 
-export function storageKey (key: string, scope: string | null): string {
+export function storageKey (key: string, scope: string | null, keyedHash?: (composed: string) => string): string {
+  if (keyedHash !== undefined) return keyedHash(scope === null ? key : `${scope}\n${key}`)
   // An unscoped key is ASCII: its length is its size in bytes.
   if (scope === null && key.length <= MAX_STORAGE_KEY_BYTES) return key
   const composed = scope === null ? key : `${scope}\n${key}`

@@ -22,6 +22,18 @@ export interface StoreCase {
   create: () => Promise<IdempotencyStorage>
   /** Drop what `create` made (keys, tables, connections). */
   cleanup: () => Promise<void>
+  /**
+   * Everything the server holds for this store, as text (Redis: every key name and value; SQL:
+   * every row): what someone who reads the store sees. Absent for the in-process store.
+   */
+  dump?: () => Promise<string>
+}
+
+/** Bytes as a reader of a dump sees them: as text, whatever their encoding. */
+function readable (value: unknown): string {
+  if (Buffer.isBuffer(value)) return value.toString('latin1')
+  if (value instanceof Uint8Array) return Buffer.from(value).toString('latin1')
+  return String(value)
 }
 
 let unique = 0
@@ -43,6 +55,11 @@ function redisCase (available: boolean, reason: string): StoreCase {
       if (client === undefined) return
       await deleteRedisPrefix(client, prefix)
       await client.quit()
+    },
+    dump: async () => {
+      const keys = await client!.keysBuffer(`${prefix}*`)
+      const lines = await Promise.all(keys.map(async (key) => `${readable(key)} = ${readable(await client!.getBuffer(key))}`))
+      return lines.join('\n')
     }
   }
 }
@@ -64,6 +81,10 @@ function knexCase (name: string, available: boolean, reason: string, connect: ()
       await dropIdempotencyTable(knex, table)
       await knex.destroy()
       dispose()
+    },
+    dump: async () => {
+      const rows = await knex!(table).select('*') as Array<Record<string, unknown>>
+      return rows.map((row) => Object.entries(row).map(([column, value]) => `${column}=${readable(value)}`).join(' | ')).join('\n')
     }
   }
 }
