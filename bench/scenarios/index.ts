@@ -67,6 +67,18 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     start: async () => await (await import('./fastify.js')).memory()
   },
   {
+    name: 'memory-sealed',
+    short: 'MemoryStorage, encrypted',
+    guarded: true,
+    label: 'fastify-idempotency, MemoryStorage, encryption on',
+    kind: 'ours',
+    store: 'memory',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: 'memory',
+    start: async () => await (await import('./fastify.js')).memorySealed()
+  },
+  {
     name: 'redis-floor',
     short: 'Redis floor',
     guarded: false,
