@@ -25,6 +25,10 @@ export type IdempotencyOutcome =
    * configured, or not sealed): refused with 409, the handler not run.
    */
   | 'unreadable'
+  /** A recovery point's function ran and its result was recorded; `step` names it. */
+  | 'step-run'
+  /** A recovery point returned the result recorded by an earlier run, without running; `step` names it. */
+  | 'step-replay'
 
 export interface IdempotencyEvent {
   outcome: IdempotencyOutcome
@@ -48,12 +52,14 @@ export interface IdempotencyEvent {
   phase?: 'begin' | 'complete' | 'release' | 'renew' | 'max-hold'
   failOpen?: boolean
   error?: unknown
+  /** The recovery point's name (step-run, step-replay). */
+  step?: string
 }
 
 /** Channel names: `fastify-idempotency:<outcome>`. */
 export const CHANNEL_PREFIX = 'fastify-idempotency:'
 
-const outcomes: readonly IdempotencyOutcome[] = ['execute', 'replay', 'mismatch', 'in-progress', 'wait', 'lease-lost', 'store-error', 'unreadable']
+const outcomes: readonly IdempotencyOutcome[] = ['execute', 'replay', 'mismatch', 'in-progress', 'wait', 'lease-lost', 'store-error', 'unreadable', 'step-run', 'step-replay']
 
 /** One channel per outcome, so a subscriber listens to exactly what it counts. */
 export const channels = Object.fromEntries(

@@ -17,6 +17,7 @@ import { acquire } from './engine/acquire.js'
 import { RequestState } from './engine/request-state.js'
 import { createRouteEngine, type RouteEngine } from './engine/route-engine.js'
 import { settle, type NotStoredReason } from './engine/settle.js'
+import { runStep, type StepFunction } from './engine/steps.js'
 import { storageKey } from './engine/storage-key.js'
 import { IdempotencyFingerprintError, IdempotencyKeyMissingError, IdempotencyStoreUnavailableError } from './errors.js'
 import { computeFingerprint } from './fingerprint.js'
@@ -39,6 +40,31 @@ export interface IdempotencyRequestContext {
    * `undefined` otherwise.
    */
   readonly transaction: unknown
+  /**
+   * A recovery point: run `fn` once for this key and record its result (JSON-serializable, or a
+   * Buffer). When the handler runs again for the same key and fingerprint after a run that stored
+   * no response, a step that completed returns its recorded result without calling `fn`. See
+   * docs/recovery-points.md.
+   */
+  step: <T>(name: string, fn: StepFunction<T>) => Promise<T>
+}
+
+/** `request.idempotency`: one per request with a key. */
+class RequestContext implements IdempotencyRequestContext {
+  readonly key: string
+  transaction: unknown = undefined
+  readonly #engine: RouteEngine
+  readonly #state: RequestState
+
+  constructor (key: string, engine: RouteEngine, state: RequestState) {
+    this.key = key
+    this.#engine = engine
+    this.#state = state
+  }
+
+  async step<T> (name: string, fn: StepFunction<T>): Promise<T> {
+    return await runStep(this.#engine, this.#state, name, fn)
+  }
 }
 
 type GuardedRequest = FastifyRequest & { [kState]: RequestState | null, idempotency: IdempotencyRequestContext | null }
@@ -93,8 +119,8 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
       return
     }
     const guarded = request as GuardedRequest
-    guarded.idempotency = { key, transaction: undefined }
     const state = new RequestState(key, request.method, request.log)
+    guarded.idempotency = new RequestContext(key, engine, state)
     if (settings.fingerprint.raw) state.rawBody = new RawBodyHash(request.raw).tap()
     guarded[kState] = state
     done()
@@ -206,7 +232,7 @@ async function resolveScope (scope: (request: FastifyRequest) => string | Promis
 /** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
 function run (route: Route, request: GuardedRequest, reply: FastifyReply, state: RequestState): void {
   const { engine } = route
-  if (state.transaction !== null) request.idempotency = { key: state.key, transaction: state.transaction.handle }
+  if (state.transaction !== null) (request.idempotency as RequestContext).transaction = state.transaction.handle
   if (reply.raw.destroyed) {
     // The client left before the lease was taken: 'close' has fired already and will not again.
     // As below, the lease is not renewed, so a handler that never answers frees the key.

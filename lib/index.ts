@@ -90,6 +90,7 @@ export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
 export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
 export type { FingerprintOptions } from './fingerprint.js'
 export type { IdempotencyRequestContext } from './hooks.js'
+export type { StepContext, StepFunction } from './engine/steps.js'
 export {
   IdempotencyError,
   IdempotencyFingerprintError,

@@ -32,6 +32,7 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
   const { storage, settings, reporter } = engine
   const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
   state.started = performance.now()
+  state.fingerprint = fingerprint
   for (let attempt = 0; ; attempt++) {
     let result
     try {

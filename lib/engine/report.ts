@@ -16,7 +16,7 @@ export interface Logger {
 type Level = 'debug' | 'warn' | 'error'
 
 /** Extra event fields; `error` also goes to the log as `err`. */
-export type Details = Partial<Pick<IdempotencyEvent, 'statusCode' | 'stored' | 'bodyOmitted' | 'reason' | 'waitedMs' | 'phase' | 'failOpen' | 'error'>>
+export type Details = Partial<Pick<IdempotencyEvent, 'statusCode' | 'stored' | 'bodyOmitted' | 'reason' | 'waitedMs' | 'phase' | 'failOpen' | 'error' | 'step'>>
 
 export class Reporter {
   /** The store's class name and the route's URL pattern, in every event. */

@@ -38,6 +38,10 @@ export class RequestState implements RenewedLease {
   rawBody: { digest: (limit: number) => Promise<string> } | null = null
   /** Resolves once this request's response has been handed on to Fastify after settling (for the hooks). */
   handedOn: Promise<void> | null = null
+  /** The request's fingerprint; set when the plugin goes to the store with it. */
+  fingerprint = ''
+  /** Names of the steps this run has reached (engine/steps.ts); `null` until the first. */
+  steps: Set<string> | null = null
   /** The route's `redact`, bound to this request; `null` when the route has none. */
   redact: ((response: StoredResponse) => StoredResponse | Promise<StoredResponse>) | null = null
   /** A `complete` given up on at storeTimeout went through after all. */

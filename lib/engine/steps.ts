@@ -1,0 +1,169 @@
+/**
+ * Recovery points: `request.idempotency.step(name, fn)` runs `fn` once per idempotency key and
+ * records its result, so that when the handler runs again for the same key and fingerprint (its
+ * first run threw, answered an error, crashed, or lost its lease), every step that completed
+ * returns its recorded result instead of running again.
+ *
+ * A step's record is an entry of its own in the same store, under a key derived from the
+ * request's storage key and the step's name, taken with `begin` and written with `complete` like
+ * any response: a step that two runs reach at once runs once (the other gets 409 in progress), a
+ * different fingerprint is refused, and the record expires `expiration` after it was written. It
+ * needs nothing from a store beyond the storage contract, so every store has it, custom ones too.
+ */
+import { hash } from 'node:crypto'
+import {
+  IdempotencyFingerprintMismatchError,
+  IdempotencyRequestInProgressError,
+  IdempotencyStoreUnavailableError,
+  IdempotencyStoredResponseUnreadableError
+} from '../errors.js'
+import type { StorageTransaction, StoredResponse, TransactionalStorage } from '../storage/types.js'
+import type { RequestState } from './request-state.js'
+import type { RouteEngine } from './route-engine.js'
+
+/** What a step's `fn` receives. */
+export interface StepContext {
+  /**
+   * A key stable across every run of this step for this idempotency key and scope: pass it on
+   * downstream (a payment provider's idempotency key, a message id), so that a step cut between
+   * its call and its record is still deduplicated there. 48 URL-safe characters.
+   */
+  readonly key: string
+  /**
+   * Transaction mode (KnexStorage): this step's own transaction. Its writes commit together with
+   * the step's record when `fn` returns, and roll back if it throws. `undefined` otherwise.
+   */
+  readonly transaction: unknown
+}
+
+export type StepFunction<T> = (context: StepContext) => T | Promise<T>
+
+/** Marks a step's storage key: apart from every request key (see storage-key.ts). */
+const STEP_KEY_PREFIX = '\u0000step:'
+/** Distinct steps one request may run: a loop that makes a step per item should batch them instead. */
+export const MAX_STEPS = 100
+const MAX_NAME_LENGTH = 200
+
+/** How a result is kept: the content type of the step's record says which encoding. */
+const ENCODING = {
+  json: 'application/vnd.fastify-idempotency.step+json',
+  bytes: 'application/vnd.fastify-idempotency.step+octet-stream',
+  none: 'application/vnd.fastify-idempotency.step+undefined'
+} as const
+
+export async function runStep<T> (engine: RouteEngine, state: RequestState, name: string, fn: StepFunction<T>): Promise<T> {
+  if (typeof name !== 'string' || name.length === 0 || name.length > MAX_NAME_LENGTH) {
+    throw new TypeError(`fastify-idempotency: a step needs a name of 1 to ${MAX_NAME_LENGTH} characters`)
+  }
+  if (typeof fn !== 'function') throw new TypeError(`fastify-idempotency: step '${name}' needs a function`)
+  const downstream = { key: downstreamKey(state.storageKey || state.key, name), transaction: undefined }
+  // failOpen ran the handler without a lease: nothing to record into.
+  if (state.phase === 'idle') return await fn(downstream)
+  if (state.phase !== 'held') throw new Error(`fastify-idempotency: step '${name}' was called after the response was sent`)
+  const names = state.steps ??= new Set()
+  names.add(name)
+  if (names.size > MAX_STEPS) throw new RangeError(`fastify-idempotency: a request may run at most ${MAX_STEPS} distinct steps`)
+
+  const { storage, settings, deadline, reporter, cipher } = engine
+  const stepKey = STEP_KEY_PREFIX + hash('sha256', `${state.storageKey}\n${name}`, 'base64url')
+  let result
+  try {
+    result = await deadline.run('begin', () => storage.begin(stepKey, state.fingerprint, settings.lockTimeout))
+  } catch (error) {
+    throw new IdempotencyStoreUnavailableError(state.key, error)
+  }
+  if (result.state !== 'acquired' && result.fingerprint !== state.fingerprint) {
+    throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
+  }
+  if (result.state === 'in-flight') {
+    throw new IdempotencyRequestInProgressError(state.key, Math.max(0.1, (result.lockExpiresAt - Date.now()) / 1000))
+  }
+  if (result.state === 'completed') {
+    let value: T
+    try {
+      value = decode(cipher === null ? result.response : cipher.open(stepKey, result.response)) as T
+    } catch (error) {
+      reporter.report(state, 'unreadable', { error, step: name }, 'error', `idempotency step '${name}' has a record that cannot be read: refused with 409`)
+      throw new IdempotencyStoredResponseUnreadableError(state.key, error)
+    }
+    reporter.report(state, 'step-replay', { step: name })
+    return value
+  }
+
+  const token = result.token
+  const transaction = settings.transaction ? await openTransaction(engine, state, stepKey, token) : null
+  let value: T
+  let record: StoredResponse
+  try {
+    value = await fn(transaction === null ? downstream : { key: downstream.key, transaction: transaction.handle })
+    record = encode(value, name, settings.maxResponseBytes)
+    if (cipher !== null) record = cipher.seal(stepKey, record)
+  } catch (error) {
+    // Not recorded: the next run calls `fn` again.
+    if (transaction !== null) await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
+    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
+    throw error
+  }
+  let recorded = false
+  try {
+    if (transaction === null) {
+      recorded = await deadline.run('complete', () => storage.complete(stepKey, token, record, settings.expiration))
+    } else if (await deadline.run('complete', () => transaction.complete(stepKey, token, record, settings.expiration))) {
+      await deadline.run('commit', () => transaction.commit())
+      recorded = true
+    } else {
+      await deadline.run('rollback', () => transaction.rollback())
+    }
+  } catch (error) {
+    if (transaction !== null) await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
+    reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', `idempotency step '${name}' ran but its result could not be recorded: the request fails, and a retry runs the step again (its downstream key still holds)`)
+    throw new IdempotencyStoreUnavailableError(state.key, error)
+  }
+  if (!recorded) {
+    reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', `idempotency step '${name}' ran but its lease was lost before its result was recorded`)
+    throw new IdempotencyStoreUnavailableError(state.key, new Error(`the lease of step '${name}' was lost`))
+  }
+  reporter.report(state, 'step-run', { step: name })
+  return value
+}
+
+/** The key `fn` passes downstream: derived apart from the step's storage key, never equal to it. */
+function downstreamKey (storageKey: string, name: string): string {
+  return `idem_${hash('sha256', `downstream\n${storageKey}\n${name}`, 'base64url')}`
+}
+
+/** Transaction mode: the step's own transaction; refused like the request's when it cannot be opened. */
+async function openTransaction ({ storage, deadline }: RouteEngine, state: RequestState, stepKey: string, token: string): Promise<StorageTransaction> {
+  try {
+    return await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
+  } catch (error) {
+    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
+    throw new IdempotencyStoreUnavailableError(state.key, error)
+  }
+}
+
+function encode (value: unknown, name: string, limit: number): StoredResponse {
+  let record: StoredResponse
+  if (value === undefined) {
+    record = { statusCode: 200, contentType: ENCODING.none, headers: {}, body: Buffer.alloc(0) }
+  } else if (Buffer.isBuffer(value)) {
+    record = { statusCode: 200, contentType: ENCODING.bytes, headers: {}, body: value }
+  } else {
+    const json = JSON.stringify(value)
+    if (json === undefined) throw new TypeError(`fastify-idempotency: step '${name}' returned a value JSON cannot hold (${typeof value}): return JSON-serializable values or a Buffer`)
+    record = { statusCode: 200, contentType: ENCODING.json, headers: {}, body: Buffer.from(json) }
+  }
+  if (record.body.length > limit) {
+    throw new RangeError(`fastify-idempotency: step '${name}' returned ${record.body.length} bytes; a step's result is kept up to maxResponseBytes (${limit})`)
+  }
+  return record
+}
+
+function decode (record: StoredResponse): unknown {
+  switch (record.contentType) {
+    case ENCODING.none: return undefined
+    case ENCODING.bytes: return Buffer.from(record.body)
+    case ENCODING.json: return JSON.parse(record.body.toString())
+    default: throw new Error(`fastify-idempotency: a step record of an unknown kind (${String(record.contentType)})`)
+  }
+}
