@@ -65,6 +65,9 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   if (names.size > MAX_STEPS) throw new RangeError(`fastify-idempotency: a request may run at most ${MAX_STEPS} distinct steps`)
 
   const { storage, settings, deadline, reporter, cipher } = engine
+  if (settings.transaction && (storage as TransactionalStorage).singleConnection === true) {
+    throw new TypeError(`fastify-idempotency: step '${name}': recovery points in transaction mode need a database that serves a second connection beside the request's transaction (PostgreSQL, MySQL/MariaDB); SQLite has one`)
+  }
   const stepKey = STEP_KEY_PREFIX + hash('sha256', `${state.storageKey}\n${name}`, 'base64url')
   let result
   try {

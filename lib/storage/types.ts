@@ -106,4 +106,10 @@ export interface StorageTransaction {
 /** A provider that can open a StorageTransaction (KnexStorage). */
 export interface TransactionalStorage extends IdempotencyStorage {
   transaction (): Promise<StorageTransaction>
+  /**
+   * An open transaction holds the only connection (SQLite through knex), so no second
+   * transaction, and no store call, can run beside it: recovery points, which commit a
+   * transaction of their own while the request's is open, are refused in transaction mode.
+   */
+  readonly singleConnection?: boolean
 }

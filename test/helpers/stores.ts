@@ -27,6 +27,8 @@ export interface StoreCase {
    * every row): what someone who reads the store sees. Absent for the in-process store.
    */
   dump?: () => Promise<string>
+  /** The SQL stores: the knex instance `create` made, for a test's own tables. */
+  knex?: () => Knex
 }
 
 /** Bytes as a reader of a dump sees them: as text, whatever their encoding. */
@@ -82,6 +84,7 @@ function knexCase (name: string, available: boolean, reason: string, connect: ()
       await knex.destroy()
       dispose()
     },
+    knex: () => knex!,
     dump: async () => {
       const rows = await knex!(table).select('*') as Array<Record<string, unknown>>
       return rows.map((row) => Object.entries(row).map(([column, value]) => `${column}=${readable(value)}`).join(' | ')).join('\n')

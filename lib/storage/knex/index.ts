@@ -114,6 +114,11 @@ export class KnexStorage implements TransactionalStorage {
     return this.#table
   }
 
+  /** SQLite: knex gives it one connection, which an open transaction holds. */
+  get singleConnection (): boolean {
+    return this.#dialect.name === 'sqlite'
+  }
+
   /** The SQL family of the knex instance: `'postgres'`, `'mysql'` or `'sqlite'`. */
   get dialect (): SqlDialect {
     return this.#dialect.name
