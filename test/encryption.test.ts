@@ -212,6 +212,16 @@ describe('ResponseCipher', () => {
     expect(() => new ResponseCipher({ keys: [], keyHashSecret: HASH_SECRET })).toThrow(/non-empty array/)
     expect(() => new ResponseCipher({ keys: [KEY_1], keyHashSecret: 'c2hvcnQ=' })).toThrow(/at least 32 bytes/)
     await expect(Fastify().register(idempotency, { encryption: { keys: ['short'], keyHashSecret: HASH_SECRET } }).ready()).rejects.toThrow(/encryption.keys\[0\]/)
+    expect(() => new ResponseCipher(null as never)).toThrow(/must be an object/)
+    expect(() => new ResponseCipher({ keys: [42 as never], keyHashSecret: HASH_SECRET })).toThrow(/Buffer or a base64 string/)
+  })
+
+  it('refuses an envelope cut short or of an unknown version', () => {
+    const sealed = cipher.seal('k', response)
+    expect(() => cipher.open('k', { ...sealed, body: sealed.body.subarray(0, 10) })).toThrow(/known version/)
+    const other = Buffer.from(sealed.body)
+    other[0] = 9
+    expect(() => cipher.open('k', { ...sealed, body: other })).toThrow(/known version/)
   })
 })
 

@@ -6,9 +6,9 @@
 import { randomBytes } from 'node:crypto'
 import diagnostics from 'node:diagnostics_channel'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import Fastify, { type FastifyInstance } from 'fastify'
+import Fastify, { type FastifyInstance, type FastifyRequest } from 'fastify'
 import type { Knex } from 'knex'
-import idempotency, { idempotencyErrorHandler, type IdempotencyEvent, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
+import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyEvent, type IdempotencyOptions, type IdempotencyStorage, type TransactionalStorage } from '../lib/index.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -233,3 +233,139 @@ for (const store of (await storeCases()).filter((item) => item.knex !== undefine
     })
   })
 }
+
+describe('recovery points when the store fails', () => {
+  /** MemoryStorage, with faults switched on for step records (keys that start with NUL + 'step:'). */
+  const inner = new MemoryStorage()
+  const faults = { begin: false, complete: false, completeFalse: false, transaction: false, stepTransaction: false, trxCompleteFalse: false }
+  let openTransactions = 0
+  const isStep = (key: string) => key.startsWith('\u0000step:')
+  const rolledBack: string[] = []
+  const storage: TransactionalStorage = {
+    begin: async (key, fingerprint, lockTimeout) => {
+      if (faults.begin && isStep(key)) throw new Error('store down')
+      return await inner.begin(key, fingerprint, lockTimeout)
+    },
+    complete: async (key, token, response, expiration) => {
+      if (isStep(key) && faults.complete) throw new Error('write failed')
+      if (isStep(key) && faults.completeFalse) return false
+      return await inner.complete(key, token, response, expiration)
+    },
+    release: async (key, token) => await inner.release(key, token),
+    renew: async (key, token, lockTimeout) => await inner.renew(key, token, lockTimeout),
+    transaction: async () => {
+      if (faults.transaction || (faults.stepTransaction && openTransactions > 0)) throw new Error('no connection')
+      openTransactions++
+      return {
+        handle: {},
+        complete: async (key, token, response, expiration) => faults.trxCompleteFalse && isStep(key) ? false : await inner.complete(key, token, response, expiration),
+        commit: async () => { openTransactions-- },
+        rollback: async () => { openTransactions--; rolledBack.push('rollback') }
+      }
+    }
+  }
+  let runs = 0
+  let app: FastifyInstance
+  beforeAll(async () => {
+    app = Fastify()
+    await app.register(idempotency, { storage })
+    app.setErrorHandler(idempotencyErrorHandler())
+    const handler = async (request: FastifyRequest) => ({ value: await request.idempotency!.step('s', () => ++runs) })
+    app.post('/plain', { config: { idempotency: true } }, handler)
+    app.post('/trx', { config: { idempotency: { transaction: true } } }, handler)
+    app.post('/open', { config: { idempotency: { failOpen: true } } }, handler)
+    app.post('/late', { config: { idempotency: true } }, async (request, reply) => {
+      reply.code(201).send({ ok: true })
+      await new Promise((resolve) => setTimeout(resolve, 20))
+      await request.idempotency!.step('too-late', () => 1).catch((error: Error) => { lateError = error.message })
+      return reply
+    })
+  })
+  let lateError = ''
+  afterAll(async () => { await app.close() })
+  const post = (url: string, key: string) => app.inject({ method: 'POST', url, headers: { 'idempotency-key': key }, payload: {} })
+  const reset = () => { for (const name of Object.keys(faults) as Array<keyof typeof faults>) faults[name] = false }
+
+  it('answers 503 when the store fails at the step, and runs nothing', async () => {
+    reset()
+    faults.begin = true
+    const before = runs
+    const res = await post('/plain', 'f-begin')
+    expect(res.statusCode).toBe(503)
+    expect(runs).toBe(before)
+  })
+
+  it('answers 503 when the record cannot be written, and the retry runs the step again', async () => {
+    for (const fault of ['complete', 'completeFalse'] as const) {
+      reset()
+      faults[fault] = true
+      const before = runs
+      expect((await post('/plain', `f-${fault}`)).statusCode).toBe(503)
+      faults[fault] = false
+      expect((await post('/plain', `f-${fault}`)).statusCode).toBe(200)
+      expect(runs).toBe(before + 2)
+    }
+  })
+
+  it('in transaction mode: 503 when the step\'s transaction cannot be opened or its record is refused (rolled back)', async () => {
+    reset()
+    faults.transaction = true
+    const before = runs
+    expect((await post('/trx', 'f-trx-open')).statusCode).toBe(503)
+    reset()
+    faults.stepTransaction = true
+    expect((await post('/trx', 'f-trx-step-open')).statusCode).toBe(503)
+    expect(runs).toBe(before)
+    reset()
+    faults.trxCompleteFalse = true
+    rolledBack.length = 0
+    expect((await post('/trx', 'f-trx-complete')).statusCode).toBe(503)
+    expect(rolledBack.length).toBeGreaterThan(0)
+  })
+
+  it('answers 409 in progress when another run holds the step, and 409 unreadable for a record it cannot read', async () => {
+    reset()
+    await app.ready()
+    // Another run holds this step's record: reach the same step key through the first run's lease.
+    const first = await post('/plain', 'f-held')
+    expect(first.statusCode).toBe(200)
+    const stepKeys: string[] = []
+    const spy = storage.begin
+    storage.begin = async (key, fingerprint, lockTimeout) => {
+      if (isStep(key)) { stepKeys.push(key); return { state: 'in-flight', fingerprint, lockExpiresAt: Date.now() + 5000 } }
+      return await spy(key, fingerprint, lockTimeout)
+    }
+    try {
+      const held = await post('/plain', 'f-held-2')
+      expect(held.statusCode).toBe(409)
+      expect(held.json().type).toMatch(/#request-in-progress$/)
+      storage.begin = async (key, fingerprint, lockTimeout) => {
+        if (isStep(key)) return { state: 'completed', fingerprint, response: { statusCode: 200, contentType: 'text/plain', headers: {}, body: Buffer.from('?') } }
+        return await spy(key, fingerprint, lockTimeout)
+      }
+      const unreadable = await post('/plain', 'f-unreadable')
+      expect(unreadable.statusCode).toBe(409)
+      expect(unreadable.json().type).toMatch(/#stored-response-unreadable$/)
+    } finally {
+      storage.begin = spy
+    }
+    expect(stepKeys).toHaveLength(1)
+  })
+
+  it('runs the step unrecorded when the request runs unprotected (failOpen), and refuses a step after the response was sent', async () => {
+    reset()
+    faults.begin = true
+    const outage = inner.begin.bind(inner)
+    inner.begin = async () => { throw new Error('down') }
+    try {
+      const before = runs
+      expect((await post('/open', 'f-open')).json()).toEqual({ value: before + 1 })
+    } finally {
+      inner.begin = outage
+    }
+    reset()
+    await post('/late', 'f-late')
+    await new Promise((resolve) => setTimeout(resolve, 50))
+    expect(lateError).toMatch(/called after the response was sent/)
+  })
+})

@@ -119,10 +119,13 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
     }
   } catch (error) {
     if (transaction !== null) await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
+    // Free the step for the retry (fenced: a record that went through after all stays).
+    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', `idempotency step '${name}' ran but its result could not be recorded: the request fails, and a retry runs the step again (its downstream key still holds)`)
     throw new IdempotencyStoreUnavailableError(state.key, error)
   }
   if (!recorded) {
+    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
     reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', `idempotency step '${name}' ran but its lease was lost before its result was recorded`)
     throw new IdempotencyStoreUnavailableError(state.key, new Error(`the lease of step '${name}' was lost`))
   }
