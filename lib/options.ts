@@ -6,6 +6,7 @@ import { parse as parseDuration } from '@lukeed/ms'
 import { Ajv, type ErrorObject } from 'ajv'
 import type { FastifyRequest } from 'fastify'
 import { ResponseCipher, type EncryptionOptions } from './encryption.js'
+import { ALWAYS_EXCLUDED_HEADERS } from './excluded-headers.js'
 import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
 import type { IdempotencyStorage, StoredResponse, TransactionalStorage } from './storage/types.js'
 
@@ -143,24 +144,6 @@ export interface RouteSettings {
 const DEFAULT_WAIT_TIMEOUT = 10_000
 
 export const DEFAULT_CACHEABLE_STATUS_CODES: readonly number[] = [200, 201, 202, 204]
-
-/** Never stored nor replayed, by reason (docs/headers.md explains each). */
-const ALWAYS_EXCLUDED_HEADERS = [
-  // Hop-by-hop: they describe one connection, not the response.
-  'connection', 'keep-alive', 'proxy-authenticate', 'proxy-authorization', 'proxy-connection',
-  'te', 'trailer', 'transfer-encoding', 'upgrade',
-  // One transmission: recomputed for the replay (content-length, date), or kept apart (content-type).
-  'content-length', 'date', 'content-type',
-  // Per request: set by the current request's own hooks (CORS for its origin, its id, its trace,
-  // its rate limit), which a replay must not overwrite with the first request's.
-  'access-control-allow-origin', 'access-control-allow-credentials', 'access-control-allow-methods',
-  'access-control-allow-headers', 'access-control-expose-headers', 'access-control-max-age',
-  'x-request-id', 'request-id', 'x-correlation-id', 'traceparent', 'tracestate', 'server-timing',
-  'x-response-time', 'ratelimit', 'ratelimit-policy', 'ratelimit-limit', 'ratelimit-remaining',
-  'ratelimit-reset', 'x-ratelimit-limit', 'x-ratelimit-remaining', 'x-ratelimit-reset',
-  // Credentials: a response header that carries one must never reach another request.
-  'authorization', 'x-api-key', 'x-auth-token', 'x-csrf-token', 'x-xsrf-token'
-]
 
 const TOKEN = "^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
 const duration = { type: ['integer', 'string'], minimum: 1 }
