@@ -123,7 +123,14 @@ const BAR_SPECS: BarSpec[] = [
   { id: 'memory-replay', text: 'MemoryStorage: REPLAY at or above the bare route', scenario: 'memory', workload: 'REPLAY', threshold: 1 },
   { id: 'memory-new', text: 'MemoryStorage: NEW at 90 % or more of the bare route', scenario: 'memory', workload: 'NEW', threshold: 0.9 },
   { id: 'redis-replay', text: 'RedisStorage: REPLAY at 95 % or more of the one-GET floor', scenario: 'redis', workload: 'REPLAY', threshold: 0.95 },
-  { id: 'redis-new', text: 'RedisStorage: NEW at 95 % or more of the two-round-trip floor', scenario: 'redis', workload: 'NEW', threshold: 0.95 }
+  { id: 'redis-new', text: 'RedisStorage: NEW at 95 % or more of the two-round-trip floor', scenario: 'redis', workload: 'NEW', threshold: 0.95 },
+  { id: 'pg-replay', text: 'KnexStorage on PostgreSQL: REPLAY at 90 % or more of the one-SELECT floor', scenario: 'knex-pg', workload: 'REPLAY', threshold: 0.9 },
+  { id: 'pg-new', text: 'KnexStorage on PostgreSQL: NEW at 90 % or more of the INSERT + UPDATE floor', scenario: 'knex-pg', workload: 'NEW', threshold: 0.9 },
+  { id: 'pg-trx-new', text: 'KnexStorage on PostgreSQL, transaction mode: NEW at 80 % or more of its floor', scenario: 'knex-pg-trx', workload: 'NEW', threshold: 0.8 },
+  { id: 'mariadb-replay', text: 'KnexStorage on MariaDB: REPLAY at 90 % or more of the one-SELECT floor', scenario: 'knex-mariadb', workload: 'REPLAY', threshold: 0.9 },
+  { id: 'mariadb-new', text: 'KnexStorage on MariaDB: NEW at 90 % or more of the INSERT + UPDATE floor', scenario: 'knex-mariadb', workload: 'NEW', threshold: 0.9 },
+  { id: 'sqlite-replay', text: 'KnexStorage on SQLite (WAL): REPLAY at 90 % or more of the one-SELECT floor', scenario: 'knex-sqlite', workload: 'REPLAY', threshold: 0.9 },
+  { id: 'sqlite-new', text: 'KnexStorage on SQLite (WAL): NEW at 90 % or more of the INSERT + UPDATE floor', scenario: 'knex-sqlite', workload: 'NEW', threshold: 0.9 }
 ]
 
 export function evaluateBars (summary: Summary[]): BarResult[] {

@@ -58,9 +58,10 @@ function failingBegins (knex: Knex, failures: number, error: Record<string, unkn
         if (/^(WITH live|INSERT INTO)/.test(sql)) {
           attempts.count++
           if (attempts.count <= failures) {
-            // Shaped like a knex Raw as far as KnexStorage uses one: a thenable with .timeout().
+            // Shaped like a knex Raw as far as KnexStorage uses one: a thenable with .timeout()
+            // and .options().
             const failed = Promise.reject(Object.assign(new Error('injected deadlock'), error))
-            return Object.assign(failed, { timeout: () => failed })
+            return Object.assign(failed, { timeout: () => failed, options: () => failed })
           }
         }
         return (target.raw as (...args: unknown[]) => unknown)(sql, ...rest)
@@ -850,6 +851,35 @@ describe('KnexStorage construction', () => {
     expect(() => new KnexStorage({ knex: fake('mariadb') })).toThrow(/for MariaDB use the mysql2 client/)
     expect(() => new KnexStorage({ knex: {} as Knex })).toThrow(/expected a knex instance/)
     expect(() => new KnexStorage({ knex: fake('pg'), tableName: '' })).toThrow(/tableName/)
+  })
+
+  it('refuses a preparedStatements that is not a boolean', () => {
+    expect(() => new KnexStorage({ knex: fake('pg'), preparedStatements: 'yes' as never })).toThrow(/preparedStatements must be a boolean/)
+  })
+
+  it.skipIf(!postgres.available)('works without prepared statements, and with them sends each statement by name', async () => {
+    const knex = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 1, max: 1 } })
+    const names: Array<string | undefined> = []
+    knex.on('query', (query: { options?: { name?: string } }) => { names.push(query.options?.name) })
+    const name = `prep_${process.pid}_${Date.now()}`
+    try {
+      for (const preparedStatements of [false, true]) {
+        names.length = 0
+        const storage = new KnexStorage({ knex, tableName: name, createTable: true, preparedStatements })
+        const begun = await storage.begin(`k-${String(preparedStatements)}`, 'fp', LEASE)
+        expect(begun.state).toBe('acquired')
+        if (begun.state !== 'acquired') return
+        expect(await storage.complete(`k-${String(preparedStatements)}`, begun.token, { statusCode: 201, contentType: null, headers: {}, body: Buffer.from('x') }, EXPIRY)).toBe(true)
+        const replay = await storage.begin(`k-${String(preparedStatements)}`, 'fp', LEASE)
+        expect(replay.state).toBe('completed')
+        const named = names.filter((item) => item !== undefined)
+        if (preparedStatements) expect(named.length).toBeGreaterThanOrEqual(3)
+        else expect(named).toEqual([])
+      }
+    } finally {
+      await dropIdempotencyTable(knex, name)
+      await knex.destroy()
+    }
   })
 
   it('keeps the expiry index name derived from the table', () => {

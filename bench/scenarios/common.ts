@@ -88,6 +88,7 @@ export interface BenchEnv {
   redisHost: string
   redisPort: number
   pg: { host: string, port: number, user: string, database: string }
+  mysql: { host: string, port: number, user: string, password: string, database: string }
 }
 
 export function benchEnv (): BenchEnv {
@@ -102,6 +103,13 @@ export function benchEnv (): BenchEnv {
       port: Number(env.BENCH_PG_PORT ?? 5432),
       user: env.BENCH_PG_USER ?? 'postgres',
       database: env.BENCH_PG_DATABASE ?? 'test'
+    },
+    mysql: {
+      host: env.BENCH_MYSQL_HOST ?? '127.0.0.1',
+      port: Number(env.BENCH_MYSQL_PORT ?? 3306),
+      user: env.BENCH_MYSQL_USER ?? 'root',
+      password: env.BENCH_MYSQL_PASSWORD ?? '',
+      database: env.BENCH_MYSQL_DATABASE ?? 'test'
     }
   }
 }

@@ -3,19 +3,16 @@
  * SQLite) and the Redis floor. Every one serves the same `POST /orders` with the same handler.
  */
 import { randomBytes } from 'node:crypto'
-import { rm } from 'node:fs/promises'
-import { join } from 'node:path'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import { Redis } from 'ioredis'
-import knexFactory, { type Knex } from 'knex'
 import { benchEnv, ExecutionCounter, KEY_HEADER, placeOrder, ROUTE, type BenchServer, type OrderBody } from './common.js'
-import { loadCore, loadKnexStorage, loadRedisStorage } from './source.js'
+import { loadCore, loadRedisStorage } from './source.js'
 
-function newApp (): FastifyInstance {
+export function newApp (): FastifyInstance {
   return Fastify({ logger: false })
 }
 
-function orderHandler (counter: ExecutionCounter) {
+export function orderHandler (counter: ExecutionCounter) {
   return async function handler (request: FastifyRequest, reply: FastifyReply) {
     const result = await placeOrder(counter, request.headers[KEY_HEADER], request.body as OrderBody)
     reply.code(201)
@@ -99,49 +96,6 @@ export async function redis (): Promise<BenchServer> {
   app.setErrorHandler(idempotencyErrorHandler())
   app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
   return await listen(app, counter, async () => { await client.quit() })
-}
-
-async function knexScenario (knex: Knex, cleanup: () => Promise<void>, transaction = false): Promise<BenchServer> {
-  const { idempotency, idempotencyErrorHandler } = await loadCore()
-  const { KnexStorage, dropIdempotencyTable } = await loadKnexStorage()
-  const tableName = `bench_idem_${benchEnv().tag}`.replace(/[^a-zA-Z0-9_]/g, '_')
-  const storage = new KnexStorage({ knex, tableName, createTable: true })
-  const app = newApp()
-  const counter = new ExecutionCounter()
-  await app.register(idempotency, { storage, transaction })
-  app.setErrorHandler(idempotencyErrorHandler())
-  app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
-  return await listen(app, counter, async () => {
-    await dropIdempotencyTable(knex, tableName)
-    await knex.destroy()
-    await cleanup()
-  })
-}
-
-/** The plugin on PostgreSQL through knex and pg (knex's default pool: 2 to 10 connections). */
-export async function knexPostgres (): Promise<BenchServer> {
-  const { pg } = benchEnv()
-  const knex = knexFactory({ client: 'pg', connection: pg })
-  return await knexScenario(knex, async () => {})
-}
-
-/**
- * The same in transaction mode: what the transaction itself costs (BEGIN, the stored response
- * written inside it, COMMIT, a connection held across the handler); the handler is the same.
- */
-export async function knexPostgresTransaction (): Promise<BenchServer> {
-  const { pg } = benchEnv()
-  const knex = knexFactory({ client: 'pg', connection: pg })
-  return await knexScenario(knex, async () => {}, true)
-}
-
-/** The plugin on SQLite (better-sqlite3), a file in a private temporary directory. */
-export async function knexSqlite (): Promise<BenchServer> {
-  const filename = join(benchEnv().tmpDir, `bench-${benchEnv().tag}-${process.pid}.sqlite`)
-  const knex = knexFactory({ client: 'better-sqlite3', connection: { filename }, useNullAsDefault: true })
-  return await knexScenario(knex, async () => {
-    for (const suffix of ['', '-wal', '-shm', '-journal']) await rm(filename + suffix, { force: true })
-  })
 }
 
 /**

@@ -16,7 +16,7 @@ export interface ScenarioInfo {
   short: string
   kind: ScenarioKind
   /** Which store the idempotency layer uses, for comparing ours with a peer of the same kind. */
-  store: 'none' | 'memory' | 'redis' | 'postgres' | 'sqlite'
+  store: 'none' | 'memory' | 'redis' | 'postgres' | 'mariadb' | 'sqlite'
   framework: 'fastify' | 'express'
   /** The measured route is guarded: its handler must run at most once per key. */
   guarded: boolean
@@ -103,6 +103,66 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     start: async () => await (await import('./fastify.js')).redis()
   },
   {
+    name: 'pg-floor',
+    short: 'PostgreSQL floor',
+    guarded: false,
+    label: 'PostgreSQL floor (1 SELECT / INSERT + UPDATE)',
+    kind: 'floor',
+    store: 'postgres',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: null,
+    start: async () => await (await import('./sql.js')).pgFloor()
+  },
+  {
+    name: 'pg-trx-floor',
+    short: 'PostgreSQL transaction floor',
+    guarded: false,
+    label: 'PostgreSQL transaction floor (INSERT, then INSERT + UPDATE in a transaction)',
+    kind: 'floor',
+    store: 'postgres',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: null,
+    start: async () => await (await import('./sql.js')).pgTransactionFloor()
+  },
+  {
+    name: 'mariadb-floor',
+    short: 'MariaDB floor',
+    guarded: false,
+    label: 'MariaDB floor (1 SELECT / INSERT + UPDATE)',
+    kind: 'floor',
+    store: 'mariadb',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: null,
+    start: async () => await (await import('./sql.js')).mariadbFloor()
+  },
+  {
+    name: 'knex-mariadb',
+    short: 'KnexStorage on MariaDB',
+    guarded: true,
+    label: 'fastify-idempotency, KnexStorage MariaDB',
+    kind: 'ours',
+    store: 'mariadb',
+    framework: 'fastify',
+    workloads: ALL,
+    baseline: 'mariadb-floor',
+    start: async () => await (await import('./sql.js')).knexMariadb()
+  },
+  {
+    name: 'sqlite-floor',
+    short: 'SQLite floor',
+    guarded: false,
+    label: 'SQLite floor, WAL (1 SELECT / INSERT + UPDATE)',
+    kind: 'floor',
+    store: 'sqlite',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: null,
+    start: async () => await (await import('./sql.js')).sqliteFloor()
+  },
+  {
     name: 'knex-pg',
     short: 'KnexStorage on PostgreSQL',
     guarded: true,
@@ -111,8 +171,8 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     store: 'postgres',
     framework: 'fastify',
     workloads: ALL,
-    baseline: 'bare',
-    start: async () => await (await import('./fastify.js')).knexPostgres()
+    baseline: 'pg-floor',
+    start: async () => await (await import('./sql.js')).knexPostgres()
   },
   {
     name: 'knex-pg-trx',
@@ -123,8 +183,8 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     store: 'postgres',
     framework: 'fastify',
     workloads: ALL,
-    baseline: 'bare',
-    start: async () => await (await import('./fastify.js')).knexPostgresTransaction()
+    baseline: 'pg-trx-floor',
+    start: async () => await (await import('./sql.js')).knexPostgresTransaction()
   },
   {
     name: 'knex-sqlite',
@@ -135,8 +195,8 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     store: 'sqlite',
     framework: 'fastify',
     workloads: ALL,
-    baseline: 'bare',
-    start: async () => await (await import('./fastify.js')).knexSqlite()
+    baseline: 'sqlite-floor',
+    start: async () => await (await import('./sql.js')).knexSqlite()
   },
   {
     name: 'node-idem-memory',

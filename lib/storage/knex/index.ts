@@ -41,6 +41,12 @@ export interface KnexStorageOptions {
    * Default 4000.
    */
   statementTimeout?: number
+  /**
+   * PostgreSQL: send the store's statements as named prepared statements, parsed and planned once
+   * per connection. Default `true`. Set `false` behind a pooler that cannot keep them (PgBouncer
+   * in transaction mode before 1.21).
+   */
+  preparedStatements?: boolean
 }
 
 export interface PurgeExpiredOptions {
@@ -59,9 +65,9 @@ const DEADLOCK_RETRIES = 5
 /** Below the plugin's default storeTimeout (5 s), so the store cancels before the plugin gives up. */
 const DEFAULT_STATEMENT_TIMEOUT = 4000
 
-function pickDialect (knex: Knex, table: string, statementTimeout: number, now: (() => number) | undefined): Dialect {
+function pickDialect (knex: Knex, table: string, statementTimeout: number, now: (() => number) | undefined, prepared: boolean): Dialect {
   const name = sqlDialect(knex)
-  if (name === 'postgres') return new PostgresDialect(table, statementTimeout, now)
+  if (name === 'postgres') return new PostgresDialect(table, statementTimeout, now, prepared)
   if (name === 'mysql') return new MysqlDialect(statementTimeout, now)
   return new SqliteDialect(now)
 }
@@ -90,7 +96,8 @@ export class KnexStorage implements TransactionalStorage {
     if (options.now !== undefined && typeof options.now !== 'function') throw new TypeError('KnexStorage: now must be a function')
     const statementTimeout = options.statementTimeout ?? DEFAULT_STATEMENT_TIMEOUT
     if (!Number.isSafeInteger(statementTimeout) || statementTimeout < 0) throw new TypeError('KnexStorage: statementTimeout must be a whole number of milliseconds, or 0')
-    this.#dialect = pickDialect(options.knex, tableName, statementTimeout, options.now)
+    if (options.preparedStatements !== undefined && typeof options.preparedStatements !== 'boolean') throw new TypeError('KnexStorage: preparedStatements must be a boolean')
+    this.#dialect = pickDialect(options.knex, tableName, statementTimeout, options.now, options.preparedStatements ?? true)
     this.#knex = options.knex
     this.#table = tableName
     this.#createTable = options.createTable === true

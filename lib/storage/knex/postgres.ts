@@ -2,6 +2,7 @@
  * PostgreSQL: one statement for every outcome of `begin`, and a NOTIFY from `complete` and
  * `release` only when a waiter asked for one (see pg-listener.ts).
  */
+import { hash } from 'node:crypto'
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
 import { bounded, clockOf, extendLease, purgeBySubquery, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
@@ -55,6 +56,21 @@ const SERVER_CLOCK = {
   int: '?::bigint'
 }
 
+/**
+ * A statement's text, and its name when it is prepared: node-postgres then sends the text once per
+ * connection (Parse) and after that only the values (Bind, Execute), and PostgreSQL plans it once
+ * instead of on every call. The name is unique to the table and the text.
+ */
+interface Statement {
+  sql: string
+  name: string | null
+}
+
+function raw (db: Knex | Knex.Transaction, { sql, name }: Statement, bindings: Knex.RawBinding[]): Knex.Raw {
+  const query = db.raw(sql, bindings)
+  return name === null ? query : query.options({ name })
+}
+
 /** 40001 only arises when the server's default isolation is stricter than READ COMMITTED. */
 const DEADLOCK_CODES = new Set(['40P01', '40001'])
 
@@ -64,24 +80,26 @@ export class PostgresDialect implements Dialect {
   readonly channel: string
   readonly bound: Bound
   readonly clock: Clock
-  readonly #begin: string
-  readonly #complete: string
-  readonly #release: string
+  readonly #begin: Statement
+  readonly #complete: Statement
+  readonly #release: Statement
 
-  constructor (table: string, statementTimeout: number, now: (() => number) | undefined) {
+  /** `prepared`: name the hot statements, so each connection parses and plans them once. */
+  constructor (table: string, statementTimeout: number, now: (() => number) | undefined, prepared: boolean) {
     this.channel = notificationChannel(table)
     this.bound = bounded(statementTimeout)
     this.clock = clockOf(SERVER_CLOCK, now)
-    this.#begin = begin(this.clock.now)
-    this.#complete = complete(this.clock.now)
-    this.#release = release(this.clock.now)
+    const statement = (sql: string): Statement => ({ sql, name: prepared ? `idempotency_${hash('sha256', `${table}\n${sql}`, 'hex').slice(0, 40)}` : null })
+    this.#begin = statement(begin(this.clock.now))
+    this.#complete = statement(complete(this.clock.now))
+    this.#release = statement(release(this.clock.now))
   }
 
   async prepare (): Promise<void> {}
 
   async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
     const t = this.clock.values()
-    const { rows } = await this.bound(knex.raw(this.#begin, [table, id, ...t, table, id, fingerprint, token,
+    const { rows } = await this.bound(raw(knex, this.#begin, [table, id, ...t, table, id, fingerprint, token,
       ...t, lease, ...t, lease, ...t, lease, ...t, lease, ...t]))
     const row = rows[0] as (Row & { taken: number }) | undefined
     if (row !== undefined && Number(row.taken) === 1) return { state: 'acquired', token }
@@ -111,8 +129,8 @@ export class PostgresDialect implements Dialect {
   }
 
   /** A `complete` or `release`: how many rows it changed. Notifications carry the key's bytes in base64. */
-  async #notifying (db: Knex | Knex.Transaction, sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
-    const { rows } = await this.bound(db.raw(sql, [...bindings, this.channel, id.toString('base64')]))
+  async #notifying (db: Knex | Knex.Transaction, statement: Statement, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
+    const { rows } = await this.bound(raw(db, statement, [...bindings, this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
   }
 }
