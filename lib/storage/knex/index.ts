@@ -69,7 +69,7 @@ function pickDialect (knex: Knex, table: string, statementTimeout: number, now: 
   const name = sqlDialect(knex)
   if (name === 'postgres') return new PostgresDialect(table, statementTimeout, now, prepared)
   if (name === 'mysql') return new MysqlDialect(statementTimeout, now)
-  return new SqliteDialect(now)
+  return new SqliteDialect(table, now)
 }
 
 export class KnexStorage implements TransactionalStorage {

@@ -87,12 +87,12 @@ export function notificationChannel (tableName: string): string {
 }
 
 /** `schema.table` quoted the way knex quotes `??`, for a `::regclass` cast. */
-function quotedName (tableName: string): string {
+export function quotedName (tableName: string): string {
   return tableName.split('.').map((part) => `"${part.replace(/"/g, '""')}"`).join('.')
 }
 
-// Times are BIGINT epoch milliseconds written by the application (Date.now()), the same rule on
-// every dialect. `expires_at` is when the row stops mattering: the lease end while in flight,
+// Times are BIGINT epoch milliseconds from the database's clock (see Clock in dialect.ts), the
+// same rule on every dialect. `expires_at` is when the row stops mattering: the lease end while in flight,
 // the response's expiry once completed, so one indexed column serves both `begin` and the purge.
 // PostgreSQL only: `waiting` is set by a request that waits for the lease (`waitFor`), so that
 // `complete` and `release` send a NOTIFY only when somebody listens for it.

@@ -1,16 +1,22 @@
 /**
- * SQLite: the upsert takes the row when it is absent or dead, and RETURNING says whether it did;
- * a replay reads the row with a second statement. SQLite runs one writer at a time, so there are
- * no deadlocks to retry.
+ * SQLite: `begin` reads the row first, so a replay is one read and never a write (which would take
+ * SQLite's one write lock); only a key that is absent or dead goes on to the upsert, which takes
+ * the row when it is still absent or dead and says with RETURNING whether it did. SQLite runs one
+ * writer at a time, so there are no deadlocks to retry.
+ *
+ * With better-sqlite3, the hot statements (read, upsert, complete) are prepared once per
+ * connection and run on it directly: knex prepares a statement anew on every query, which cost
+ * more than running it.
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
 import { bounded, clockOf, deleteLease, extendLease, purgeBySubquery, updateCompleted, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
-import { readLive } from './rows.js'
+import { COLUMNS, readLive, toResult, type Row } from './rows.js'
+import { quotedName } from './schema.js'
 
 // Unqualified columns in DO UPDATE ... WHERE are the existing row's. SQLite's 'now' is one
 // instant for the whole statement.
-const begin = (N: string): string => `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+const begin = (N: string, table: string): string => `INSERT INTO ${table} (idempotency_key, fingerprint, state, token, lease_end, expires_at)
 VALUES (?, ?, 'in_flight', ?, ${N} + ?, ${N} + ?)
 ON CONFLICT (idempotency_key) DO UPDATE SET
   fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
@@ -22,30 +28,60 @@ RETURNING token`
 /** The database's clock in epoch ms, from julianday, which every SQLite version has (unixepoch came in 3.38). */
 const NOW = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
 
+const readLiveSql = (N: string, table: string): string => `SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = ? AND expires_at > ${N}`
+const completeSql = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = NULL,
+  status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ?
+WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
+
+/** A better-sqlite3 statement, as far as it is used here. */
+interface Statement {
+  all: (...values: unknown[]) => unknown[]
+  run: (...values: unknown[]) => { changes: number }
+}
+interface Connection { prepare: (sql: string) => Statement }
+interface SqliteClient {
+  driverName?: string
+  acquireConnection: () => Promise<Connection>
+  releaseConnection: (connection: Connection) => Promise<void>
+}
+
+function isBetterSqlite (db: Knex | Knex.Transaction): boolean {
+  return (db.client as SqliteClient).driverName === 'better-sqlite3'
+}
+
 /** better-sqlite3 runs each statement to its end synchronously: there is nothing to cancel. */
 const unbounded = bounded(0)
 
 export class SqliteDialect implements Dialect {
   readonly name = 'sqlite' as const
   readonly clock: Clock
-  readonly #begin: string
+  readonly #sql: { readLive: string, begin: string, complete: string }
+  /** Statements prepared on each connection (better-sqlite3 only), by SQL text. */
+  readonly #prepared = new WeakMap<Connection, Map<string, Statement>>()
 
-  constructor (now: (() => number) | undefined) {
+  constructor (table: string, now: (() => number) | undefined) {
     this.clock = clockOf({ now: NOW, scan: NOW, int: '?' }, now)
-    this.#begin = begin(this.clock.now)
+    const quoted = quotedName(table)
+    this.#sql = { readLive: readLiveSql(this.clock.now, quoted), begin: begin(this.clock.now, quoted), complete: completeSql(this.clock.now, quoted) }
   }
 
   async prepare (): Promise<void> {}
 
   async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
+    const live = await this.#readLive(knex, table, id)
+    if (live !== undefined) return live
     const t = this.clock.values()
-    const rows = await knex.raw(this.#begin, [table, id, fingerprint, token, ...t, lease, ...t, lease, ...t])
-    if ((rows as unknown[]).length === 1) return { state: 'acquired', token }
+    const rows = await this.#run(knex, this.#sql.begin, [id, fingerprint, token, ...t, lease, ...t, lease, ...t], 'all') as unknown[]
+    if (rows.length === 1) return { state: 'acquired', token }
+    // Another process took the key between the read and the upsert.
     return await readLive(knex, table, id, this.clock, unbounded)
   }
 
-  async complete (db: Knex | Knex.Transaction, table: string, completion: Completion): Promise<number> {
-    return await updateCompleted(db, table, completion, this.clock, unbounded)
+  async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
+    // A transaction holds the one connection: its statements go through it, as knex sends them.
+    if (db.isTransaction === true || !isBetterSqlite(db)) return await updateCompleted(db, table, c, this.clock, unbounded)
+    const t = this.clock.values()
+    return await this.#run(db, this.#sql.complete, [c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t], 'run') as number
   }
 
   async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
@@ -62,5 +98,26 @@ export class SqliteDialect implements Dialect {
 
   isDeadlock (): boolean {
     return false
+  }
+
+  async #readLive (knex: Knex, table: string, id: Buffer): Promise<BeginResult | undefined> {
+    const rows = await this.#run(knex, this.#sql.readLive, [id, ...this.clock.values()], 'all') as Row[]
+    return rows.length === 0 ? undefined : toResult(rows[0]!)
+  }
+
+  /** A statement with better-sqlite3, prepared once per connection; a read through knex otherwise. */
+  async #run (knex: Knex, sql: string, values: unknown[], mode: 'all' | 'run'): Promise<unknown[] | number> {
+    const client = knex.client as SqliteClient
+    if (!isBetterSqlite(knex)) return await knex.raw(sql, values as Knex.RawBinding[]) as unknown[]
+    const connection = await client.acquireConnection()
+    try {
+      let statements = this.#prepared.get(connection)
+      if (statements === undefined) this.#prepared.set(connection, statements = new Map())
+      let statement = statements.get(sql)
+      if (statement === undefined) statements.set(sql, statement = connection.prepare(sql))
+      return mode === 'all' ? statement.all(...values) : statement.run(...values).changes
+    } finally {
+      await client.releaseConnection(connection)
+    }
   }
 }
