@@ -58,9 +58,20 @@ function asMySql (knex: Knex): Knex {
 function countStatements (knex: Knex): { count: () => number, stop: () => void } {
   let count = 0
   if (sqlDialect(knex) !== 'sqlite') {
+    // MariaDB: the store sends its hot statements with mysql2's execute on a pooled connection.
+    const client = knex.client as { acquireConnection: () => Promise<{ execute?: (...args: unknown[]) => unknown }> }
+    const acquire = client.acquireConnection
+    client.acquireConnection = async function (this: unknown) {
+      const connection = await acquire.call(this)
+      const execute = connection.execute
+      if (typeof execute === 'function' && !(execute as { counted?: boolean }).counted) {
+        connection.execute = Object.assign(function (this: unknown, ...args: unknown[]) { count++; return execute.apply(this, args) }, { counted: true })
+      }
+      return connection
+    }
     const listener = () => { count++ }
     knex.on('query', listener)
-    return { count: () => count, stop: () => { knex.off('query', listener) } }
+    return { count: () => count, stop: () => { knex.off('query', listener); client.acquireConnection = acquire } }
   }
   const Database = knex.client.driver as new (filename: string) => { prepare: (sql: string) => object, close: () => void }
   const probe = new Database(':memory:')

@@ -68,7 +68,7 @@ const DEFAULT_STATEMENT_TIMEOUT = 4000
 function pickDialect (knex: Knex, table: string, statementTimeout: number, now: (() => number) | undefined, prepared: boolean): Dialect {
   const name = sqlDialect(knex)
   if (name === 'postgres') return new PostgresDialect(table, statementTimeout, now, prepared)
-  if (name === 'mysql') return new MysqlDialect(statementTimeout, now)
+  if (name === 'mysql') return new MysqlDialect(table, statementTimeout, now)
   return new SqliteDialect(table, now)
 }
 

@@ -37,6 +37,10 @@ const SERVER_CLOCK = {
   int: '?'
 }
 
+interface ExecConnection {
+  execute: (sql: string, values: unknown[], callback: (error: Error | null, rows: unknown) => void) => void
+}
+
 /** MariaDB 10.5 added INSERT ... RETURNING; MySQL has none. */
 export function hasInsertReturning (version: string): boolean {
   // Anywhere in the string: some servers put a compatibility prefix ('5.5.5-') before it.
@@ -57,16 +61,47 @@ export class MysqlDialect implements Dialect {
   /** MariaDB 10.5+: `begin` returns the row in the upsert itself. */
   #returning = false
 
-  constructor (statementTimeout: number, now: (() => number) | undefined) {
+  /** The upsert and complete as prepared statements (MariaDB through mysql2; see `#execute`). */
+  readonly #executeBegin: string
+  readonly #executeComplete: string
+  /** Whether `#execute` is used: MariaDB 10.5+ through knex's own mysql2 client. */
+  #executing = false
+
+  constructor (table: string, statementTimeout: number, now: (() => number) | undefined) {
     this.bound = bounded(statementTimeout)
     this.clock = clockOf(SERVER_CLOCK, now)
     this.#begin = begin(this.clock.now)
     this.#beginReturning = `${this.#begin}\nRETURNING token, ${COLUMNS}`
+    const quoted = table.split('.').map((part) => `\`${part.replace(/`/g, '``')}\``).join('.')
+    // The server cancels a statement that runs past statementTimeout, lock waits included, as
+    // knex's .timeout() does for the statements it sends.
+    const bound = statementTimeout > 0 ? `SET STATEMENT max_statement_time = ${statementTimeout / 1000} FOR ` : ''
+    this.#executeBegin = bound + this.#beginReturning.replace('??', quoted)
+    const N = this.clock.now
+    this.#executeComplete = `${bound}UPDATE ${quoted} SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
+  }
+
+  /**
+   * A statement through mysql2's `execute`: prepared once per connection (mysql2 keeps them by
+   * text), then sent as values in the binary protocol, where a body travels as bytes rather than
+   * hex-encoded text in the statement, and the server does not parse it again.
+   */
+  async #execute (knex: Knex, sql: string, values: unknown[]): Promise<unknown> {
+    const client = knex.client as { acquireConnection: () => Promise<ExecConnection>, releaseConnection: (c: ExecConnection) => Promise<void> }
+    const connection = await client.acquireConnection()
+    try {
+      return await new Promise((resolve, reject) => {
+        connection.execute(sql, values, (error, rows) => { if (error !== null) reject(error); else resolve(rows) })
+      })
+    } finally {
+      await client.releaseConnection(connection)
+    }
   }
 
   async prepare (knex: Knex): Promise<void> {
     const [rows] = await knex.raw('SELECT VERSION() AS version')
     this.#returning = hasInsertReturning(String(rows?.[0]?.version ?? ''))
+    this.#executing = this.#returning && (knex.client as { driverName?: string }).driverName === 'mysql2'
   }
 
   async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
@@ -74,7 +109,9 @@ export class MysqlDialect implements Dialect {
     // In the order of the placeholders: the insert, then the assignments' values.
     const bindings = [table, id, fingerprint, token, ...t, lease, ...t, lease, ...t, fingerprint, token, lease, lease]
     if (this.#returning) {
-      const [rows] = await this.bound(knex.raw(this.#beginReturning, bindings))
+      const rows = this.#executing
+        ? await this.#execute(knex, this.#executeBegin, bindings.slice(1))
+        : (await this.bound(knex.raw(this.#beginReturning, bindings)))[0]
       const row = (rows as Row[])[0]
       if (row === undefined) return undefined
       if (row.token === token) return { state: 'acquired', token }
@@ -88,8 +125,13 @@ export class MysqlDialect implements Dialect {
     return await readLive(knex, table, id, this.clock, this.bound)
   }
 
-  async complete (db: Knex | Knex.Transaction, table: string, completion: Completion): Promise<number> {
-    return await updateCompleted(db, table, completion, this.clock, this.bound)
+  async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
+    if (db.isTransaction !== true && this.#executing) {
+      const t = this.clock.values()
+      const header = await this.#execute(db, this.#executeComplete, [c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t]) as { affectedRows: number }
+      return header.affectedRows
+    }
+    return await updateCompleted(db, table, c, this.clock, this.bound)
   }
 
   async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
