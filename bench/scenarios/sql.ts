@@ -40,6 +40,8 @@ function connect (database: Database): { knex: Knex, cleanup: () => Promise<void
     useNullAsDefault: true,
     pool: {
       afterCreate: (db: { pragma: (sql: string) => unknown }, done: (error: Error | null, db: unknown) => void) => {
+        // BENCH_SQLITE_JOURNAL=rollback measures SQLite's default setup instead (docs/stores/knex.md).
+        if (process.env.BENCH_SQLITE_JOURNAL === 'rollback') { done(null, db); return }
         db.pragma('journal_mode = WAL')
         db.pragma('synchronous = NORMAL')
         db.pragma('busy_timeout = 5000')
