@@ -326,6 +326,18 @@ for (const target of targets) {
       await expect(store.purgeExpired({ batchSize: 0 })).rejects.toThrow(/batchSize/)
     })
 
+    it('lets the event loop run between purge batches (better-sqlite3 answers synchronously)', async () => {
+      const name = table()
+      const store = storage({ tableName: name })
+      await store.purgeExpired()
+      await db()(name).insert(Array.from({ length: 20 }, (_, i) => ({ idempotency_key: Buffer.from(`old-${i}`), fingerprint: 'fp', state: 'completed', expires_at: 1 })))
+      const order: string[] = []
+      setImmediate(() => order.push('other work'))
+      expect(await store.purgeExpired({ batchSize: 5 })).toBe(20)
+      order.push('purge done')
+      expect(order).toEqual(['other work', 'purge done'])
+    })
+
     it('never replays an expired row: begin takes it over, and fences the old entry off', async () => {
       const start = 1_700_000_000_000
       let clock = start

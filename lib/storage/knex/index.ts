@@ -8,7 +8,7 @@
  * here; waiting on PostgreSQL is pg-listener.ts. All times are epoch milliseconds from the
  * database's clock, read when a statement writes (see Clock in dialect.ts).
  */
-import { setTimeout as sleep } from 'node:timers/promises'
+import { setImmediate, setTimeout as sleep } from 'node:timers/promises'
 import type { Knex } from 'knex'
 import { duration } from '../durations.js'
 import { TokenGenerator } from '../tokens.js'
@@ -195,6 +195,9 @@ export class KnexStorage implements TransactionalStorage {
       total += deleted
       // A short batch means nothing expired is left (or another purge is taking it).
       if (chosen < batchSize) return total
+      // Let requests in between batches: better-sqlite3 answers synchronously, so without this a
+      // purge of a million rows held the event loop for its whole length (no request answered).
+      await setImmediate()
     }
   }
 
