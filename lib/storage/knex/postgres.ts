@@ -30,20 +30,26 @@ const begin = (N: string): string => `WITH live AS (
 )
 SELECT (SELECT count(*) FROM taken)::integer AS taken, live.* FROM (VALUES (1)) AS one LEFT JOIN live ON true`
 
-// The fenced change, and a NOTIFY for the waiters only when one of them marked the row
+// `release`: the fenced change, and a NOTIFY for the waiters only when one of them marked the row
 // (`waiting`), in the same statement. NOTIFY is not free: at commit it takes a lock global to the
-// server, so the commits of all notifying transactions take turns; a complete or release nobody
-// waits for skips it. CASE is the construct whose order of evaluation PostgreSQL guarantees, so
-// pg_notify runs only for a marked row. RETURNING gives `waiting` as the newest row version has
-// it: a mark that committed while the statement waited for the row lock is seen.
+// server, so the commits of all notifying transactions take turns; a release nobody waits for
+// skips it. CASE is the construct whose order of evaluation PostgreSQL guarantees, so pg_notify
+// runs only for a marked row. RETURNING gives `waiting` as the newest row version has it: a mark
+// that committed while the statement waited for the row lock is seen.
 const notifying = (change: string): string => `WITH done AS (
   ${change}
   RETURNING waiting
 )
 SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
-const complete = (N: string): string => notifying(`UPDATE ?? SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?,
+// `complete`, the hot one, is a plain UPDATE: wrapped in the same CTE as `release` it cost a
+// fifth of the first requests' throughput (measured). Its RETURNING says whether somebody waits;
+// only then does a second statement send the NOTIFY (in transaction mode, within the
+// transaction, so it is delivered at commit). A waiter that marked the row after the UPDATE finds
+// the lease gone when it marks, and does not wait.
+const complete = (N: string): string => `UPDATE ?? SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?,
     headers = ?, body = ?, expires_at = ${N} + ?::bigint
-  WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
+  WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}
+  RETURNING waiting`
 const release = (N: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
 
 /**
@@ -109,7 +115,10 @@ export class PostgresDialect implements Dialect {
 
   async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
     const t = this.clock.values()
-    return await this.#notifying(db, this.#complete, c.id, [table, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t])
+    const { rows } = await this.bound(raw(db, this.#complete, [table, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t]))
+    if (rows.length === 0) return 0
+    if ((rows[0] as { waiting: boolean }).waiting) await this.bound(db.raw('SELECT pg_notify(?, ?)', [this.channel, c.id.toString('base64')]))
+    return rows.length
   }
 
   async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
@@ -128,7 +137,7 @@ export class PostgresDialect implements Dialect {
     return DEADLOCK_CODES.has(String((error as { code?: unknown } | null)?.code))
   }
 
-  /** A `complete` or `release`: how many rows it changed. Notifications carry the key's bytes in base64. */
+  /** A `release`: how many rows it changed. Notifications carry the key's bytes in base64. */
   async #notifying (db: Knex | Knex.Transaction, statement: Statement, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
     const { rows } = await this.bound(raw(db, statement, [...bindings, this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
