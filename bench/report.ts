@@ -502,17 +502,20 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
       'for the Redis scenarios, Redis\'s own CPU time per response (`INFO cpu` before and after the measured part) is shown beside it.',
     '- **Workloads**: REPLAY (one stored key), NEW (a fresh key per request), MIXED (9 in 10 requests replay, the 10th is fresh), ' +
       `CONFLICT (all connections on one key that changes every ${CONFLICT_KEY_PERIOD_MS} ms, handler taking ${CONFLICT_HANDLER_MS} ms).`,
-    '- **Baselines and floors**: the bare Fastify route (for the plugin on memory, the unflagged route, PostgreSQL, SQLite and the memory peer); ' +
+    '- **Baselines and floors**: the bare Fastify route (for the plugin on memory, the unflagged route and the memory peer); ' +
       'the Redis floor, a plain Fastify route that spends only the round trips the contract calls unavoidable: one `GET` for a replay (REPLAY, and the replays of MIXED) ' +
       'and two round trips (`SET NX PX`, handler, `SET PX`) for a fresh key, on ioredis with `enableAutoPipelining: true`. ' +
-      '`RedisStorage` uses a client with the same setting. Express\'s bare route is express-idempotency\'s baseline.',
+      '`RedisStorage` uses a client with the same setting. ' +
+      'For each SQL database a floor through the same knex client and default pool: one primary-key `SELECT` for a replay, `INSERT` (takes the key), handler, `UPDATE` (stores the response) for a fresh key; ' +
+      'in transaction mode, the `INSERT` on its own, then the handler\'s `INSERT` of an order row and the `UPDATE` in one transaction (the plugin\'s transaction-mode route writes the same row). SQLite runs in WAL with `synchronous = NORMAL`, floor and store alike. ' +
+      'The plugin with encryption on is measured against the plugin without it. Express\'s bare route is express-idempotency\'s baseline.',
     '- **Correctness**: every handler counts its executions per idempotency key; the orchestrator reads the counts over IPC after each run. ' +
       'A guarded scenario is incorrect when a key\'s handler ran twice, when a REPLAY ran the handler, when a NEW key got an answer without a run, ' +
       'or when any answer was other than 2xx (409 allowed in CONFLICT), or a socket failed.',
     '- **Peers**: `@node-idempotency/core` with its memory and Redis (node-redis) adapters, wired into `preHandler`/`onSend` as its own Fastify plugin does ' +
       '(with `onResponse` called only for the request that was let through, which spares it a write on replays); `express-idempotency` with its default ' +
       'in-memory adapter on Express 5, the route checking `isHit(req)` first as its README says.',
-    '- **The machine**: load generator, server, Redis and PostgreSQL share its cores, as they would on a small box; the ratios compare scenarios that pay the same tax. ' +
+    '- **The machine**: load generator, server, Redis, PostgreSQL and MariaDB share its cores, as they would on a small box; the ratios compare scenarios that pay the same tax. ' +
       'Quick mode is for a fast look: its runs are short and its 3 rounds decide no bar on their own; the bars are read on a full run.',
     '',
     '## All figures',
@@ -531,7 +534,8 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
     '## Reproduce',
     '',
     '```sh',
-    'npm run bench              # full: 8 rounds, about 11 minutes on 2 cores',
+    'npm run bench              # full: 8 rounds, about 16 minutes on 2 cores',
+    'npm run bench:purge        # purgeExpired of 1,000,000 expired rows per SQL database, under load',
     'npm run bench -- --quick   # 3 shorter rounds, 100,000 requests for the memory check: under 3 minutes',
     '```',
     '',
