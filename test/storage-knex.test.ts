@@ -58,20 +58,21 @@ function asMySql (knex: Knex): Knex {
 function countStatements (knex: Knex): { count: () => number, stop: () => void } {
   let count = 0
   if (sqlDialect(knex) !== 'sqlite') {
-    // MariaDB: the store sends its hot statements with mysql2's execute on a pooled connection.
-    const client = knex.client as { acquireConnection: () => Promise<{ execute?: (...args: unknown[]) => unknown }> }
+    // Every statement reaches a pooled connection's query (knex's, and the store's own on
+    // PostgreSQL) or execute (the store's prepared statements on MariaDB).
+    const client = knex.client as { acquireConnection: () => Promise<Record<string, unknown>> }
     const acquire = client.acquireConnection
     client.acquireConnection = async function (this: unknown) {
       const connection = await acquire.call(this)
-      const execute = connection.execute
-      if (typeof execute === 'function' && !(execute as { counted?: boolean }).counted) {
-        connection.execute = Object.assign(function (this: unknown, ...args: unknown[]) { count++; return execute.apply(this, args) }, { counted: true })
+      for (const method of ['query', 'execute']) {
+        const original = connection[method] as ((...args: unknown[]) => unknown) & { counted?: boolean } | undefined
+        if (typeof original !== 'function' || original.counted === true) continue
+        connection[method] = Object.assign(function (this: unknown, ...args: unknown[]) { if (countOn) count++; return original.apply(this, args) }, { counted: true })
       }
       return connection
     }
-    const listener = () => { count++ }
-    knex.on('query', listener)
-    return { count: () => count, stop: () => { knex.off('query', listener); client.acquireConnection = acquire } }
+    let countOn = true
+    return { count: () => count, stop: () => { countOn = false; client.acquireConnection = acquire } }
   }
   const Database = knex.client.driver as new (filename: string) => { prepare: (sql: string) => object, close: () => void }
   const probe = new Database(':memory:')
@@ -92,7 +93,38 @@ function countStatements (knex: Knex): { count: () => number, stop: () => void }
 function failingBegins (knex: Knex, failures: number, error: Record<string, unknown>, attempts: { count: number }): Knex {
   return new Proxy(knex, {
     get (target, property, receiver) {
-      if (property === 'client') return new Proxy(target.client, { get: (client, name) => name === 'driverName' ? 'proxied' : Reflect.get(client, name) })
+      if (property === 'client') {
+        return new Proxy(target.client, {
+          get: (client, name) => {
+            if (name === 'driverName') return 'proxied'
+            if (name !== 'acquireConnection') return Reflect.get(client, name)
+            // PostgreSQL and MariaDB send begin on a pooled connection directly: fail it there
+            // (in place: the pool must get back the very object it lent).
+            return async () => {
+              const connection = await client.acquireConnection() as Record<string, unknown>
+              for (const method of ['query', 'execute']) {
+                const original = connection[method] as ((...args: unknown[]) => unknown) & { failing?: boolean } | undefined
+                if (typeof original !== 'function' || original.failing === true) continue
+                connection[method] = Object.assign((...args: unknown[]) => {
+                  const first = args[0] as string | { text?: string, sql?: string }
+                  const sql = typeof first === 'string' ? first : String(first.text ?? first.sql)
+                  if (/^(WITH live|SET STATEMENT)/.test(sql)) {
+                    attempts.count++
+                    if (attempts.count <= failures) {
+                      const failure = Object.assign(new Error('injected deadlock'), error)
+                      const callback = args.find((arg) => typeof arg === 'function') as ((error: Error) => void) | undefined
+                      if (callback !== undefined) { callback(failure); return undefined }
+                      return Promise.reject(failure)
+                    }
+                  }
+                  return original.apply(connection, args)
+                }, { failing: true })
+              }
+              return connection
+            }
+          }
+        })
+      }
       if (property !== 'raw') return Reflect.get(target, property, receiver)
       return (sql: string, ...rest: unknown[]) => {
         if (/^(WITH live|INSERT INTO)/.test(sql)) {
@@ -911,7 +943,20 @@ describe('KnexStorage construction', () => {
   it.skipIf(!postgres.available)('works without prepared statements, and with them sends each statement by name', async () => {
     const knex = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 1, max: 1 } })
     const names: Array<string | undefined> = []
-    knex.on('query', (query: { options?: { name?: string } }) => { names.push(query.options?.name) })
+    // The store's hot statements reach the pooled connection's query directly.
+    const client = knex.client as { acquireConnection: () => Promise<{ query: ((config: unknown, ...rest: unknown[]) => unknown) & { watched?: boolean } }> }
+    const acquire = client.acquireConnection.bind(client)
+    client.acquireConnection = async () => {
+      const connection = await acquire()
+      const query = connection.query
+      if (query.watched !== true) {
+        connection.query = Object.assign((config: unknown, ...rest: unknown[]) => {
+          if (typeof config === 'object' && config !== null && 'text' in config) names.push((config as { name?: string }).name)
+          return query.call(connection, config, ...rest)
+        }, { watched: true })
+      }
+      return connection
+    }
     const name = `prep_${process.pid}_${Date.now()}`
     try {
       for (const preparedStatements of [false, true]) {

@@ -87,6 +87,36 @@ export function bounded (ms: number): Bound {
   return (query) => query.timeout(ms, { cancel: true }) as typeof query
 }
 
+/** What the direct path needs of knex's client (see `onConnection`). */
+interface PoolClient<C> {
+  driverName?: string
+  acquireConnection: () => Promise<C>
+  releaseConnection: (connection: C) => Promise<unknown>
+  cancelQuery: (connection: C) => Promise<unknown>
+}
+
+/** The driver knex runs `db` on: `'pg'`, `'mysql2'`, `'better-sqlite3'`, ... */
+export function driverOf (db: Knex | Knex.Transaction): string | undefined {
+  return (db.client as { driverName?: string }).driverName
+}
+
+/**
+ * Run `query` on a connection of `db` (a pooled one, or a transaction's own), past knex's query
+ * building: for the statements of the hot path, whose values knex would format and renumber on
+ * every call. Bounded like `bounded`: past `ms` the server cancels the statement.
+ */
+export async function onConnection<C, T> (db: Knex | Knex.Transaction, ms: number, query: (connection: C) => Promise<T>): Promise<T> {
+  const client = db.client as PoolClient<C>
+  const connection = await client.acquireConnection()
+  const timer = ms === 0 ? undefined : setTimeout(() => { client.cancelQuery(connection).catch(() => {}) }, ms)
+  try {
+    return await query(connection)
+  } finally {
+    clearTimeout(timer)
+    await client.releaseConnection(connection)
+  }
+}
+
 /** The fenced row of a held lease. */
 function heldLease (db: Knex | Knex.Transaction, table: string, id: Buffer, token: string, clock: Clock): Knex.QueryBuilder {
   return db(table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhereRaw(`lease_end > ${clock.now}`, clock.values())

@@ -5,9 +5,9 @@
 import { hash } from 'node:crypto'
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, clockOf, extendLease, purgeBySubquery, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, clockOf, extendLease, onConnection, purgeBySubquery, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, toResult, type Row } from './rows.js'
-import { notificationChannel } from './schema.js'
+import { notificationChannel, quotedName } from './schema.js'
 
 // `live` reads the row as of the statement's snapshot; only when it shows nothing live does
 // `taken` try to insert, and ON CONFLICT then decides on the newest row version, under its row
@@ -15,15 +15,15 @@ import { notificationChannel } from './schema.js'
 // write). When the insert lost to a row committed after our snapshot, both parts come back empty
 // and the caller runs the statement again with a fresh snapshot. `N` is the clock: read after the
 // row lock, so the lease taken over is measured from when it is written.
-const begin = (N: string): string => `WITH live AS (
-  SELECT ${COLUMNS} FROM ?? WHERE idempotency_key = ? AND expires_at > ${N}
+const begin = (N: string, table: string): string => `WITH live AS (
+  SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = $1 AND expires_at > ${N}
 ), taken AS (
-  INSERT INTO ?? AS cur (idempotency_key, fingerprint, state, token, lease_end, expires_at)
-  SELECT ?::bytea, ?::text, 'in_flight', ?::text, ${N} + ?::bigint, ${N} + ?::bigint
+  INSERT INTO ${table} AS cur (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+  SELECT $1::bytea, $2::text, 'in_flight', $3::text, ${N} + $4::bigint, ${N} + $4::bigint
   WHERE NOT EXISTS (SELECT 1 FROM live)
   ON CONFLICT (idempotency_key) DO UPDATE SET
     fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
-    lease_end = ${N} + ?::bigint, expires_at = ${N} + ?::bigint,
+    lease_end = ${N} + $4::bigint, expires_at = ${N} + $4::bigint,
     status_code = NULL, content_type = NULL, headers = NULL, body = NULL, waiting = false
   WHERE cur.expires_at <= ${N}
   RETURNING 1
@@ -46,9 +46,9 @@ SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?
 // only then does a second statement send the NOTIFY (in transaction mode, within the
 // transaction, so it is delivered at commit). A waiter that marked the row after the UPDATE finds
 // the lease gone when it marks, and does not wait.
-const complete = (N: string): string => `UPDATE ?? SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?,
-    headers = ?, body = ?, expires_at = ${N} + ?::bigint
-  WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}
+const complete = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = NULL,
+    status_code = $1, content_type = $2, headers = $3, body = $4, expires_at = ${N} + $5::bigint
+  WHERE idempotency_key = $6 AND token = $7 AND state = 'in_flight' AND lease_end > ${N}
   RETURNING waiting`
 const release = (N: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
 
@@ -68,13 +68,13 @@ const SERVER_CLOCK = {
  * instead of on every call. The name is unique to the table and the text.
  */
 interface Statement {
-  sql: string
-  name: string | null
+  text: string
+  name: string | undefined
 }
 
-function raw (db: Knex | Knex.Transaction, { sql, name }: Statement, bindings: Knex.RawBinding[]): Knex.Raw {
-  const query = db.raw(sql, bindings)
-  return name === null ? query : query.options({ name })
+/** A node-postgres client, as far as the direct path uses it. */
+interface PgConnection {
+  query: (config: { text: string, name?: string, values: unknown[] }) => Promise<{ rows: unknown[] }>
 }
 
 /** 40001 only arises when the server's default isolation is stricter than READ COMMITTED. */
@@ -86,27 +86,34 @@ export class PostgresDialect implements Dialect {
   readonly channel: string
   readonly bound: Bound
   readonly clock: Clock
+  readonly #statementTimeout: number
   readonly #begin: Statement
   readonly #complete: Statement
-  readonly #release: Statement
+  readonly #release: string
 
-  /** `prepared`: name the hot statements, so each connection parses and plans them once. */
+  /**
+   * `prepared`: name the hot statements, so each connection parses and plans them once. `begin`
+   * and `complete` run on a connection directly, with `$n` placeholders: knex would format and
+   * renumber their values on every call (`onConnection`).
+   */
   constructor (table: string, statementTimeout: number, now: (() => number) | undefined, prepared: boolean) {
     this.channel = notificationChannel(table)
+    this.#statementTimeout = statementTimeout
     this.bound = bounded(statementTimeout)
     this.clock = clockOf(SERVER_CLOCK, now)
-    const statement = (sql: string): Statement => ({ sql, name: prepared ? `idempotency_${hash('sha256', `${table}\n${sql}`, 'hex').slice(0, 40)}` : null })
-    this.#begin = statement(begin(this.clock.now))
-    this.#complete = statement(complete(this.clock.now))
-    this.#release = statement(release(this.clock.now))
+    const quoted = quotedName(table)
+    // With the application's clock (tests), its value is the statement's last parameter.
+    const at = (index: number): string => now === undefined ? SERVER_CLOCK.now : `$${index}::bigint`
+    const statement = (text: string): Statement => ({ text, name: prepared ? `idempotency_${hash('sha256', text, 'hex').slice(0, 40)}` : undefined })
+    this.#begin = statement(begin(at(5), quoted))
+    this.#complete = statement(complete(at(8), quoted))
+    this.#release = release(this.clock.now)
   }
 
   async prepare (): Promise<void> {}
 
   async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
-    const t = this.clock.values()
-    const { rows } = await this.bound(raw(knex, this.#begin, [table, id, ...t, table, id, fingerprint, token,
-      ...t, lease, ...t, lease, ...t, lease, ...t, lease, ...t]))
+    const { rows } = await this.#run(knex, this.#begin, [id, fingerprint, token, lease, ...this.clock.values()])
     const row = rows[0] as (Row & { taken: number }) | undefined
     if (row !== undefined && Number(row.taken) === 1) return { state: 'acquired', token }
     if (row === undefined || row.state === null) return undefined
@@ -114,8 +121,7 @@ export class PostgresDialect implements Dialect {
   }
 
   async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
-    const t = this.clock.values()
-    const { rows } = await this.bound(raw(db, this.#complete, [table, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t]))
+    const { rows } = await this.#run(db, this.#complete, [c.statusCode, c.contentType, c.headers, c.body, c.ttl, c.id, c.token, ...this.clock.values()])
     if (rows.length === 0) return 0
     if ((rows[0] as { waiting: boolean }).waiting) await this.bound(db.raw('SELECT pg_notify(?, ?)', [this.channel, c.id.toString('base64')]))
     return rows.length
@@ -138,8 +144,13 @@ export class PostgresDialect implements Dialect {
   }
 
   /** A `release`: how many rows it changed. Notifications carry the key's bytes in base64. */
-  async #notifying (db: Knex | Knex.Transaction, statement: Statement, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
-    const { rows } = await this.bound(raw(db, statement, [...bindings, this.channel, id.toString('base64')]))
+  async #notifying (db: Knex | Knex.Transaction, sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
+    const { rows } = await this.bound(db.raw(sql, [...bindings, this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
+  }
+
+  /** A hot statement, on a connection of `db` (the pool's, or a transaction's). */
+  async #run (db: Knex | Knex.Transaction, { text, name }: Statement, values: unknown[]): Promise<{ rows: unknown[] }> {
+    return await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query({ text, name, values }))
   }
 }
