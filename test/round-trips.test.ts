@@ -54,10 +54,18 @@ describe.skipIf(!postgres.available)(`round trips on PostgreSQL${postgres.reason
   })
 
   it('costs two statements for a first request and one for a replay', async () => {
+    // Every statement reaches node-postgres's Client#query: knex's, and the ones the store sends on
+    // a pooled connection directly.
     let statements = 0
-    knex.on('query', () => { statements++ })
-    const { app } = await buildApp({ storage: new KnexStorage({ knex, tableName: table, createTable: true }) })
-    expect(await rounds(app, () => statements)).toEqual({ first: 2, replay: 1 })
-    await app.close()
+    const prototype = (knex.client.driver as { Client: { prototype: { query: (...args: unknown[]) => unknown } } }).Client.prototype
+    const query = prototype.query
+    prototype.query = function (this: unknown, ...args: unknown[]) { statements++; return query.apply(this, args) }
+    try {
+      const { app } = await buildApp({ storage: new KnexStorage({ knex, tableName: table, createTable: true }) })
+      expect(await rounds(app, () => statements)).toEqual({ first: 2, replay: 1 })
+      await app.close()
+    } finally {
+      prototype.query = query
+    }
   })
 })
