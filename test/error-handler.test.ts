@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import {
@@ -7,6 +8,7 @@ import {
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
   IdempotencyStoreUnavailableError,
+  IdempotencyStoredResponseUnreadableError,
   idempotencyErrorHandler,
   isIdempotencyError
 } from '../lib/index.js'
@@ -17,7 +19,8 @@ const kinds = [
   { error: new IdempotencyKeyMissingError('Idempotency-Key'), status: 400, anchor: 'key-missing', title: 'Idempotency key missing', key: undefined },
   { error: new IdempotencyKeyInvalidError('bad'), status: 400, anchor: 'key-invalid', title: 'Idempotency key invalid', key: undefined },
   { error: new IdempotencyRequestInProgressError('k3', 12.2), status: 409, anchor: 'request-in-progress', title: 'Idempotency request in progress', key: 'k3' },
-  { error: new IdempotencyStoreUnavailableError('k4', new Error('ECONNREFUSED')), status: 503, anchor: 'store-unavailable', title: 'Idempotency store unavailable', key: 'k4' }
+  { error: new IdempotencyStoreUnavailableError('k4', new Error('ECONNREFUSED')), status: 503, anchor: 'store-unavailable', title: 'Idempotency store unavailable', key: 'k4' },
+  { error: new IdempotencyStoredResponseUnreadableError('k5', new Error('tampered')), status: 409, anchor: 'stored-response-unreadable', title: 'Idempotency stored response unreadable', key: 'k5' }
 ]
 
 async function answer (error: Error, handler = idempotencyErrorHandler()) {
@@ -29,7 +32,18 @@ async function answer (error: Error, handler = idempotencyErrorHandler()) {
   return res
 }
 
+/** GitHub's heading anchors: lower case, spaces to hyphens, punctuation dropped. */
+function anchors (markdown: string): Set<string> {
+  return new Set([...markdown.matchAll(/^#{1,6} (.+)$/gm)].map((match) => match[1]!.trim().toLowerCase().replace(/[^\w\- ]/g, '').replace(/ /g, '-')))
+}
+
 describe('errors', () => {
+  it('each have a section of docs/errors.md where their problem type points', () => {
+    const sections = anchors(readFileSync(new URL('../docs/errors.md', import.meta.url), 'utf8'))
+    for (const { anchor } of kinds) expect(sections).toContain(anchor)
+    expect(sections).toContain('idempotency-errors')
+  })
+
   it('share a base class, a type guard, static type/title and instance members', () => {
     for (const { error, status, anchor, title, key } of kinds) {
       expect(error).toBeInstanceOf(IdempotencyError)
