@@ -3,6 +3,7 @@ import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import {
   IdempotencyError,
+  IdempotencyFingerprintError,
   IdempotencyFingerprintMismatchError,
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
@@ -20,6 +21,7 @@ const kinds = [
   { error: new IdempotencyKeyInvalidError('bad'), status: 400, anchor: 'key-invalid', title: 'Idempotency key invalid', key: undefined },
   { error: new IdempotencyRequestInProgressError('k3', 12.2), status: 409, anchor: 'request-in-progress', title: 'Idempotency request in progress', key: 'k3' },
   { error: new IdempotencyStoreUnavailableError('k4', new Error('ECONNREFUSED')), status: 503, anchor: 'store-unavailable', title: 'Idempotency store unavailable', key: 'k4' },
+  { error: new IdempotencyFingerprintError('k6', new RangeError('deep')), status: 400, anchor: 'fingerprint-failed', title: 'Idempotency fingerprint failed', key: 'k6' },
   { error: new IdempotencyStoredResponseUnreadableError('k5', new Error('tampered')), status: 409, anchor: 'stored-response-unreadable', title: 'Idempotency stored response unreadable', key: 'k5' }
 ]
 
