@@ -9,10 +9,8 @@ import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
-import { Redis } from 'ioredis'
-import knexFactory from 'knex'
-import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
-import { effectCount, postOrder, startServers, type Answer, type ServerProcess } from './helpers/processes.js'
+import { MARIADB, POSTGRES, REDIS, service, type Availability } from './helpers/services.js'
+import { dropNamespace, effectCount, postOrder, startServers, type Answer, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 
@@ -39,20 +37,6 @@ const stores: Array<{ store: string, availability: Availability, env: Record<str
 ]
 
 const LOCK_TIMEOUT = 2500
-
-/** Remove what a store's namespace left on the shared server. */
-async function dropNamespace (store: string, namespace: string): Promise<void> {
-  if (store === 'redis') {
-    const client = new Redis({ host: REDIS.host, port: REDIS.port })
-    await deleteRedisPrefix(client, `${namespace}:`)
-    await client.quit()
-  } else if (store === 'postgres' || store === 'mysql') {
-    const knex = knexFactory(store === 'postgres' ? { client: 'pg', connection: pgConnection } : { client: 'mysql2', connection: mysqlConnection })
-    await knex.schema.dropTableIfExists(namespace)
-    await knex.schema.dropTableIfExists(`${namespace}_effects`)
-    await knex.destroy()
-  }
-}
 
 function spread (servers: ServerProcess[], count: number, key: string, headers: Record<string, string> = {}): Promise<Answer[]> {
   return Promise.all(Array.from({ length: count }, (_, i) => postOrder(servers[i % servers.length]!, key, { amount: 42 }, headers)))

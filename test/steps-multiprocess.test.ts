@@ -10,10 +10,8 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import { Redis } from 'ioredis'
-import knexFactory from 'knex'
-import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
-import { effectCount, startServers, type ServerProcess } from './helpers/processes.js'
+import { MARIADB, POSTGRES, REDIS, service, type Availability } from './helpers/services.js'
+import { dropNamespace, effectCount, startServers, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-steps-'))
@@ -49,19 +47,6 @@ const LOCK_TIMEOUT = 1500
 async function post (server: ServerProcess, key: string, headers: Record<string, string> = {}): Promise<{ status: number, body: string }> {
   const res = await fetch(`${server.url}/steps`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key, ...headers }, body: '{"amount":4200}' })
   return { status: res.status, body: await res.text() }
-}
-
-async function dropNamespace (store: string, namespace: string): Promise<void> {
-  if (store === 'redis') {
-    const client = new Redis({ host: REDIS.host, port: REDIS.port })
-    await deleteRedisPrefix(client, `${namespace}:`)
-    await client.quit()
-  } else if (store === 'postgres' || store === 'mysql') {
-    const knex = knexFactory(store === 'postgres' ? { client: 'pg', connection: pgConnection } : { client: 'mysql2', connection: mysqlConnection })
-    await knex.schema.dropTableIfExists(namespace)
-    await knex.schema.dropTableIfExists(`${namespace}_effects`)
-    await knex.destroy()
-  }
 }
 
 for (const { store, availability, env } of stores) {

@@ -32,6 +32,7 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
   const { storage, settings, reporter } = engine
   const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
   state.started = performance.now()
+  state.storageKey = storageKey
   state.fingerprint = fingerprint
   for (let attempt = 0; ; attempt++) {
     let result
@@ -50,7 +51,7 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
     }
     if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
     if (result.state === 'acquired') {
-      state.hold(storageKey, result.token)
+      state.hold(result.token)
       if (settings.transaction) {
         const refused = await openTransaction(engine, state)
         if (refused !== null) return refused

@@ -23,7 +23,7 @@ export class RequestState implements RenewedLease {
   #phase: Phase = 'idle'
   /** performance.now() when the plugin first went to the store for this request. */
   started = 0
-  /** The key as the store sees it (see store-key.ts); set by `hold`. */
+  /** The key as the store sees it (see storage-key.ts); set when the plugin first goes to the store. */
   storageKey = ''
   /** The fencing token of the lease; set by `hold`. */
   token = ''
@@ -38,7 +38,7 @@ export class RequestState implements RenewedLease {
   rawBody: { digest: (limit: number) => Promise<string> } | null = null
   /** Resolves once this request's response has been handed on to Fastify after settling (for the hooks). */
   handedOn: Promise<void> | null = null
-  /** The request's fingerprint; set when the plugin goes to the store with it. */
+  /** The request's fingerprint; set with `storageKey`. */
   fingerprint = ''
   /** Names of the steps this run has reached (engine/steps.ts); `null` until the first. */
   steps: Set<string> | null = null
@@ -65,10 +65,9 @@ export class RequestState implements RenewedLease {
   }
 
   /** The lease is ours: the handler may run. */
-  hold (storageKey: string, token: string): void {
+  hold (token: string): void {
     this.#expect('idle', 'hold')
     this.#phase = 'held'
-    this.storageKey = storageKey
     this.token = token
     this.acquiredAt = Date.now()
   }

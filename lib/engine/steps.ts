@@ -56,7 +56,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
     throw new TypeError(`fastify-idempotency: a step needs a name of 1 to ${MAX_NAME_LENGTH} characters`)
   }
   if (typeof fn !== 'function') throw new TypeError(`fastify-idempotency: step '${name}' needs a function`)
-  const downstream = { key: downstreamKey(state.storageKey || state.key, name), transaction: undefined }
+  const downstream = { key: downstreamKey(state.storageKey, name), transaction: undefined }
   // failOpen ran the handler without a lease: nothing to record into.
   if (state.phase === 'idle') return await fn(downstream)
   if (state.phase !== 'held') throw new Error(`fastify-idempotency: step '${name}' was called after the response was sent`)
@@ -64,7 +64,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   names.add(name)
   if (names.size > MAX_STEPS) throw new RangeError(`fastify-idempotency: a request may run at most ${MAX_STEPS} distinct steps`)
 
-  const { storage, settings, deadline, reporter, cipher } = engine
+  const { storage, settings, deadline } = engine
   if (settings.transaction && (storage as TransactionalStorage).singleConnection === true) {
     throw new TypeError(`fastify-idempotency: step '${name}': recovery points in transaction mode need a database that serves a second connection beside the request's transaction (PostgreSQL, MySQL/MariaDB); SQLite has one`)
   }
@@ -81,51 +81,62 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   if (result.state === 'in-flight') {
     throw new IdempotencyRequestInProgressError(state.key, Math.max(0.1, (result.lockExpiresAt - Date.now()) / 1000))
   }
-  if (result.state === 'completed') {
-    let value: T
-    try {
-      value = decode(cipher === null ? result.response : cipher.open(stepKey, result.response)) as T
-    } catch (error) {
-      reporter.report(state, 'unreadable', { error, step: name }, 'error', `idempotency step '${name}' has a record that cannot be read: refused with 409`)
-      throw new IdempotencyStoredResponseUnreadableError(state.key, error)
-    }
-    reporter.report(state, 'step-replay', { step: name })
-    return value
-  }
+  if (result.state === 'completed') return recorded<T>(engine, state, name, stepKey, result.response)
+  return await record(engine, state, name, { stepKey, token: result.token, key: downstream.key }, fn)
+}
 
-  const token = result.token
-  const transaction = settings.transaction ? await openTransaction(engine, state, stepKey, token) : null
+/** A step that an earlier run completed: its recorded result, opened when sealed. */
+function recorded<T> ({ cipher, reporter }: RouteEngine, state: RequestState, name: string, stepKey: string, stored: StoredResponse): T {
   let value: T
-  let record: StoredResponse
   try {
-    value = await fn(transaction === null ? downstream : { key: downstream.key, transaction: transaction.handle })
-    record = encode(value, name, settings.maxResponseBytes)
-    if (cipher !== null) record = cipher.seal(stepKey, record)
+    value = decode(cipher === null ? stored : cipher.open(stepKey, stored)) as T
+  } catch (error) {
+    reporter.report(state, 'unreadable', { error, step: name }, 'error', `idempotency step '${name}' has a record that cannot be read: refused with 409`)
+    throw new IdempotencyStoredResponseUnreadableError(state.key, error)
+  }
+  reporter.report(state, 'step-replay', { step: name })
+  return value
+}
+
+/**
+ * Run a step whose record this run holds the lease of, and record its result. Whenever it ends
+ * without a record, the record's lease is given back (fenced: a record that went through after
+ * all stays), so the next run calls `fn` again at once.
+ */
+async function record<T> (engine: RouteEngine, state: RequestState, name: string, step: { stepKey: string, token: string, key: string }, fn: StepFunction<T>): Promise<T> {
+  const { storage, settings, deadline, reporter, cipher } = engine
+  const { stepKey, token } = step
+  const giveBack = async (): Promise<void> => { await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {}) }
+  let transaction: StorageTransaction | null = null
+  const rollBack = async (): Promise<void> => { if (transaction !== null) await deadline.run('rollback', () => transaction!.rollback()).catch(() => {}) }
+  let value: T
+  let stored: StoredResponse
+  try {
+    if (settings.transaction) transaction = await openTransaction(engine, state)
+    value = await fn({ key: step.key, transaction: transaction?.handle })
+    stored = encode(value, name, settings.maxResponseBytes)
+    if (cipher !== null) stored = cipher.seal(stepKey, stored)
   } catch (error) {
     // Not recorded: the next run calls `fn` again.
-    if (transaction !== null) await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
-    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
+    await rollBack()
+    await giveBack()
     throw error
   }
-  let recorded = false
+  let kept: boolean
   try {
-    if (transaction === null) {
-      recorded = await deadline.run('complete', () => storage.complete(stepKey, token, record, settings.expiration))
-    } else if (await deadline.run('complete', () => transaction.complete(stepKey, token, record, settings.expiration))) {
-      await deadline.run('commit', () => transaction.commit())
-      recorded = true
-    } else {
-      await deadline.run('rollback', () => transaction.rollback())
-    }
+    kept = transaction === null
+      ? await deadline.run('complete', () => storage.complete(stepKey, token, stored, settings.expiration))
+      : await deadline.run('complete', () => transaction!.complete(stepKey, token, stored, settings.expiration))
+    if (kept && transaction !== null) await deadline.run('commit', () => transaction!.commit())
   } catch (error) {
-    if (transaction !== null) await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
-    // Free the step for the retry (fenced: a record that went through after all stays).
-    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
+    await rollBack()
+    await giveBack()
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', `idempotency step '${name}' ran but its result could not be recorded: the request fails, and a retry runs the step again (its downstream key still holds)`)
     throw new IdempotencyStoreUnavailableError(state.key, error)
   }
-  if (!recorded) {
-    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
+  if (!kept) {
+    await rollBack()
+    await giveBack()
     reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', `idempotency step '${name}' ran but its lease was lost before its result was recorded`)
     throw new IdempotencyStoreUnavailableError(state.key, new Error(`the lease of step '${name}' was lost`))
   }
@@ -139,11 +150,10 @@ function downstreamKey (storageKey: string, name: string): string {
 }
 
 /** Transaction mode: the step's own transaction; refused like the request's when it cannot be opened. */
-async function openTransaction ({ storage, deadline }: RouteEngine, state: RequestState, stepKey: string, token: string): Promise<StorageTransaction> {
+async function openTransaction ({ storage, deadline }: RouteEngine, state: RequestState): Promise<StorageTransaction> {
   try {
     return await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
   } catch (error) {
-    await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {})
     throw new IdempotencyStoreUnavailableError(state.key, error)
   }
 }

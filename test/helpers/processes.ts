@@ -5,6 +5,9 @@
 import { spawn, type ChildProcess } from 'node:child_process'
 import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
+import { Redis } from 'ioredis'
+import knexFactory from 'knex'
+import { REDIS, deleteRedisPrefix, mysqlConnection, pgConnection } from './services.js'
 
 const fixture = fileURLToPath(new URL('../fixtures/server.ts', import.meta.url))
 
@@ -70,4 +73,18 @@ export async function postOrder (server: ServerProcess, key: string, body: objec
 export async function effectCount (server: ServerProcess, key: string): Promise<number> {
   const res = await fetch(`${server.url}/effects?key=${encodeURIComponent(key)}`)
   return ((await res.json()) as { count: number }).count
+}
+
+/** Remove what a store's namespace (key prefix or table, and its effects table) left on the shared server. */
+export async function dropNamespace (store: string, namespace: string): Promise<void> {
+  if (store === 'redis') {
+    const client = new Redis({ host: REDIS.host, port: REDIS.port })
+    await deleteRedisPrefix(client, `${namespace}:`)
+    await client.quit()
+  } else if (store === 'postgres' || store === 'mysql') {
+    const knex = knexFactory(store === 'postgres' ? { client: 'pg', connection: pgConnection } : { client: 'mysql2', connection: mysqlConnection })
+    await knex.schema.dropTableIfExists(namespace)
+    await knex.schema.dropTableIfExists(`${namespace}_effects`)
+    await knex.destroy()
+  }
 }

@@ -117,6 +117,16 @@ export async function onConnection<C, T> (db: Knex | Knex.Transaction, ms: numbe
   }
 }
 
+/**
+ * `complete` as one statement text with `?` placeholders (status, content type, headers, body,
+ * ttl, key, token, then the clock's values), for the dialects that prepare it themselves (MariaDB,
+ * SQLite); the same fenced UPDATE as `updateCompleted`. `table` is quoted already, `N` the clock.
+ */
+export function completeSql (table: string, N: string): string {
+  return `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ?
+WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
+}
+
 /** The fenced row of a held lease. */
 function heldLease (db: Knex | Knex.Transaction, table: string, id: Buffer, token: string, clock: Clock): Knex.QueryBuilder {
   return db(table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhereRaw(`lease_end > ${clock.now}`, clock.values())

@@ -4,7 +4,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, clockOf, deleteLease, extendLease, updateCompleted, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, clockOf, completeSql, deleteLease, driverOf, extendLease, onConnection, updateCompleted, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, readLive, toResult, type Row } from './rows.js'
 
 // ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition. Assignments run
@@ -77,8 +77,7 @@ export class MysqlDialect implements Dialect {
     // knex's .timeout() does for the statements it sends.
     const bound = statementTimeout > 0 ? `SET STATEMENT max_statement_time = ${statementTimeout / 1000} FOR ` : ''
     this.#executeBegin = bound + this.#beginReturning.replace('??', quoted)
-    const N = this.clock.now
-    this.#executeComplete = `${bound}UPDATE ${quoted} SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
+    this.#executeComplete = bound + completeSql(quoted, this.clock.now)
   }
 
   /**
@@ -87,21 +86,16 @@ export class MysqlDialect implements Dialect {
    * hex-encoded text in the statement, and the server does not parse it again.
    */
   async #execute (knex: Knex, sql: string, values: unknown[]): Promise<unknown> {
-    const client = knex.client as { acquireConnection: () => Promise<ExecConnection>, releaseConnection: (c: ExecConnection) => Promise<void> }
-    const connection = await client.acquireConnection()
-    try {
-      return await new Promise((resolve, reject) => {
-        connection.execute(sql, values, (error, rows) => { if (error !== null) reject(error); else resolve(rows) })
-      })
-    } finally {
-      await client.releaseConnection(connection)
-    }
+    // Bounded by the server (max_statement_time, in the text): nothing to cancel from here.
+    return await onConnection<ExecConnection, unknown>(knex, 0, async (connection) => await new Promise((resolve, reject) => {
+      connection.execute(sql, values, (error, rows) => { if (error !== null) reject(error); else resolve(rows) })
+    }))
   }
 
   async prepare (knex: Knex): Promise<void> {
     const [rows] = await knex.raw('SELECT VERSION() AS version')
     this.#returning = hasInsertReturning(String(rows?.[0]?.version ?? ''))
-    this.#executing = this.#returning && (knex.client as { driverName?: string }).driverName === 'mysql2'
+    this.#executing = this.#returning && driverOf(knex) === 'mysql2'
   }
 
   async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {

@@ -10,7 +10,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, clockOf, deleteLease, extendLease, purgeBySubquery, updateCompleted, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
+import { bounded, clockOf, completeSql, deleteLease, driverOf, onConnection, extendLease, purgeBySubquery, updateCompleted, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
 import { COLUMNS, readLive, toResult, type Row } from './rows.js'
 import { quotedName } from './schema.js'
 
@@ -29,9 +29,6 @@ RETURNING token`
 const NOW = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
 
 const readLiveSql = (N: string, table: string): string => `SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = ? AND expires_at > ${N}`
-const completeSql = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = NULL,
-  status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ?
-WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
 
 /** A better-sqlite3 statement, as far as it is used here. */
 interface Statement {
@@ -39,14 +36,9 @@ interface Statement {
   run: (...values: unknown[]) => { changes: number }
 }
 interface Connection { prepare: (sql: string) => Statement }
-interface SqliteClient {
-  driverName?: string
-  acquireConnection: () => Promise<Connection>
-  releaseConnection: (connection: Connection) => Promise<void>
-}
 
 function isBetterSqlite (db: Knex | Knex.Transaction): boolean {
-  return (db.client as SqliteClient).driverName === 'better-sqlite3'
+  return driverOf(db) === 'better-sqlite3'
 }
 
 /** better-sqlite3 runs each statement to its end synchronously: there is nothing to cancel. */
@@ -62,7 +54,7 @@ export class SqliteDialect implements Dialect {
   constructor (table: string, now: (() => number) | undefined) {
     this.clock = clockOf({ now: NOW, scan: NOW, int: '?' }, now)
     const quoted = quotedName(table)
-    this.#sql = { readLive: readLiveSql(this.clock.now, quoted), begin: begin(this.clock.now, quoted), complete: completeSql(this.clock.now, quoted) }
+    this.#sql = { readLive: readLiveSql(this.clock.now, quoted), begin: begin(this.clock.now, quoted), complete: completeSql(quoted, this.clock.now) }
   }
 
   async prepare (): Promise<void> {}
@@ -107,17 +99,13 @@ export class SqliteDialect implements Dialect {
 
   /** A statement with better-sqlite3, prepared once per connection; a read through knex otherwise. */
   async #run (knex: Knex, sql: string, values: unknown[], mode: 'all' | 'run'): Promise<unknown[] | number> {
-    const client = knex.client as SqliteClient
     if (!isBetterSqlite(knex)) return await knex.raw(sql, values as Knex.RawBinding[]) as unknown[]
-    const connection = await client.acquireConnection()
-    try {
+    return await onConnection<Connection, unknown[] | number>(knex, 0, async (connection) => {
       let statements = this.#prepared.get(connection)
       if (statements === undefined) this.#prepared.set(connection, statements = new Map())
       let statement = statements.get(sql)
       if (statement === undefined) statements.set(sql, statement = connection.prepare(sql))
       return mode === 'all' ? statement.all(...values) : statement.run(...values).changes
-    } finally {
-      await client.releaseConnection(connection)
-    }
+    })
   }
 }
