@@ -536,6 +536,7 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
     '```sh',
     'npm run bench              # full: 8 rounds, about 16 minutes on 2 cores',
     'npm run bench:purge        # purgeExpired of 1,000,000 expired rows per SQL database, under load',
+    'npm run bench:pg-statements  # PostgreSQL CPU per statement of the hot path, the store\'s and the floor\'s',
     'npm run bench -- --quick   # 3 shorter rounds, 100,000 requests for the memory check: under 3 minutes',
     '```',
     '',
