@@ -1,7 +1,8 @@
 /**
  * Beside the @fastify plugins a real app registers, before and after this one, over real HTTP, on
- * every store: a retry gets its own CORS headers and the content coding its Accept-Encoding asks
- * for, whatever the order of registration.
+ * every store: a retry gets its own CORS, security, rate-limit headers and the content coding its
+ * Accept-Encoding asks for, never another response's cookies, and a rate-limited request never
+ * reaches the store, whatever the order of registration.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { request as httpRequest, type IncomingHttpHeaders } from 'node:http'
@@ -9,7 +10,10 @@ import { brotliDecompressSync, gunzipSync } from 'node:zlib'
 import Fastify, { type FastifyInstance } from 'fastify'
 import compress from '@fastify/compress'
 import cors from '@fastify/cors'
+import cookie from '@fastify/cookie'
 import etag from '@fastify/etag'
+import helmet from '@fastify/helmet'
+import rateLimit from '@fastify/rate-limit'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
@@ -61,8 +65,29 @@ async function serve (storage: IdempotencyStorage, register: (app: FastifyInstan
     reply.code(201)
     return { charged: true }
   })
+  // Signs a client in: its answer sets a session cookie (with @fastify/cookie registered).
+  let sessions = 0
+  app.post('/sessions', { config: { idempotency: true } }, async (_request, reply) => {
+    const session = `s${++sessions}`
+    reply.setCookie('session', session, { httpOnly: true, path: '/' }).code(201)
+    return { session }
+  })
   await app.listen({ host: '127.0.0.1', port: 0 })
   return { app, port: (app.server.address() as { port: number }).port, charges: () => charges }
+}
+
+/** The store, with a count of the `begin` calls that reach it. */
+function countingBegins (storage: IdempotencyStorage): { storage: IdempotencyStorage, begins: () => number } {
+  let begins = 0
+  const counted = new Proxy(storage, {
+    get (target, property) {
+      const value: unknown = Reflect.get(target, property, target)
+      if (typeof value !== 'function') return value
+      if (property === 'begin') return async (...args: Parameters<IdempotencyStorage['begin']>) => { begins++; return await target.begin(...args) }
+      return value.bind(target)
+    }
+  })
+  return { storage: counted, begins: () => begins }
 }
 
 for (const store of cases) {
@@ -106,6 +131,96 @@ for (const store of cases) {
           expect(retry.headers['access-control-allow-origin']).toBe('https://admin.example')
           expect(retry.headers['access-control-expose-headers']).toBe('Idempotent-Replayed, Retry-After')
           expect(retry.body.equals(first.body)).toBe(true)
+        } finally {
+          await app.close()
+        }
+      })
+
+      it(`@fastify/rate-limit registered ${order}: a limited request gets 429 without reaching the store; each answer carries its own budget`, async () => {
+        const counted = countingBegins(storage)
+        const { app, port } = await serve(counted.storage, async (app) => { await app.register(rateLimit, { max: 2, timeWindow: 60_000 }) }, order)
+        try {
+          const key = newKey()
+          const first = await post(port, '/payments', { 'idempotency-key': key })
+          expect(first.status).toBe(201)
+          expect(first.headers['x-ratelimit-remaining']).toBe('1')
+          const retry = await post(port, '/payments', { 'idempotency-key': key })
+          expect(retry.headers['idempotent-replayed']).toBe('true')
+          expect(retry.body.equals(first.body)).toBe(true)
+          // The retry's own budget, not the one stored with the first answer.
+          expect(retry.headers['x-ratelimit-remaining']).toBe('0')
+          const begins = counted.begins()
+          expect(begins).toBe(2)
+          const limited = await post(port, '/payments', { 'idempotency-key': newKey() })
+          expect(limited.status).toBe(429)
+          const limitedRetry = await post(port, '/payments', { 'idempotency-key': key })
+          expect(limitedRetry.status).toBe(429)
+          expect(limitedRetry.headers['idempotent-replayed']).toBeUndefined()
+          expect(counted.begins()).toBe(begins)
+        } finally {
+          await app.close()
+        }
+      })
+
+      it(`@fastify/rate-limit with hook 'preHandler', registered ${order}: before, a limited request never reaches the store; after, a replay answers before the limiter runs`, async () => {
+        const counted = countingBegins(storage)
+        const { app, port } = await serve(counted.storage, async (app) => { await app.register(rateLimit, { max: 1, timeWindow: 60_000, hook: 'preHandler' }) }, order)
+        try {
+          const key = newKey()
+          expect((await post(port, '/payments', { 'idempotency-key': key })).status).toBe(201)
+          const limited = await post(port, '/payments', { 'idempotency-key': newKey() })
+          expect(limited.status).toBe(429)
+          const retry = await post(port, '/payments', { 'idempotency-key': key })
+          if (order === 'before') {
+            // Its preHandler runs first: the limited request and the limited retry never reach the store.
+            expect(counted.begins()).toBe(1)
+            expect(retry.status).toBe(429)
+          } else {
+            // This plugin's preHandler runs first: the limited request took a lease and freed it, and
+            // the retry is replayed without being counted or limited.
+            expect(counted.begins()).toBe(3)
+            expect(retry.status).toBe(201)
+            expect(retry.headers['idempotent-replayed']).toBe('true')
+            expect(retry.headers['x-ratelimit-remaining']).toBeUndefined()
+          }
+        } finally {
+          await app.close()
+        }
+      })
+
+      it(`@fastify/helmet registered ${order}: a replay carries the security headers, the Content-Security-Policy nonce its own`, async () => {
+        const { app, port } = await serve(storage, async (app) => { await app.register(helmet, { enableCSPNonces: true }) }, order)
+        try {
+          const key = newKey()
+          const first = await post(port, '/payments', { 'idempotency-key': key })
+          expect(first.status).toBe(201)
+          expect(first.headers['x-content-type-options']).toBe('nosniff')
+          const retry = await post(port, '/payments', { 'idempotency-key': key })
+          expect(retry.headers['idempotent-replayed']).toBe('true')
+          expect(retry.body.equals(first.body)).toBe(true)
+          expect(retry.headers['x-content-type-options']).toBe('nosniff')
+          expect(retry.headers['strict-transport-security']).toBe(first.headers['strict-transport-security'])
+          const nonce = (answer: Answer): string | undefined => /'nonce-([^']+)'/.exec(String(answer.headers['content-security-policy']))?.[1]
+          expect(nonce(first)).toBeDefined()
+          expect(nonce(retry)).toBeDefined()
+          expect(nonce(retry)).not.toBe(nonce(first))
+        } finally {
+          await app.close()
+        }
+      })
+
+      it(`@fastify/cookie registered ${order}: the cookie an answer set is not replayed to a retry`, async () => {
+        const { app, port } = await serve(storage, async (app) => { await app.register(cookie) }, order)
+        try {
+          const key = newKey()
+          const first = await post(port, '/sessions', { 'idempotency-key': key })
+          expect(first.status).toBe(201)
+          expect(first.headers['set-cookie']).toHaveLength(1)
+          expect(first.headers['set-cookie']?.[0]).toMatch(new RegExp(`^session=${JSON.parse(first.body.toString()).session};`))
+          const retry = await post(port, '/sessions', { 'idempotency-key': key })
+          expect(retry.headers['idempotent-replayed']).toBe('true')
+          expect(retry.body.equals(first.body)).toBe(true)
+          expect(retry.headers['set-cookie']).toBeUndefined()
         } finally {
           await app.close()
         }
