@@ -44,6 +44,15 @@ export function hijackedOutcome (reply: FastifyReply, excludedHeaders: ReadonlyS
   return outcome(reply.raw.statusCode, reply.raw.getHeaders(), excludedHeaders, null)
 }
 
+/**
+ * HTTP/2 pseudo-headers (`:status`): once an HTTP/2 response's head is written, Node lists its
+ * `:status` among the response's headers. It is the status, kept apart; setting it as a header
+ * throws.
+ */
+export function isPseudoHeader (name: string): boolean {
+  return name.charCodeAt(0) === 58 // ':'
+}
+
 function isResponse (payload: unknown): payload is Response {
   return payload !== null && typeof payload === 'object' && Object.prototype.toString.call(payload) === '[object Response]'
 }
@@ -52,7 +61,7 @@ function outcome (statusCode: number, all: HeaderValues, excludedHeaders: Readon
   const headers: Record<string, string | string[]> = {}
   for (const name in all) {
     const value = all[name]
-    if (value === undefined || excludedHeaders.has(name)) continue
+    if (value === undefined || excludedHeaders.has(name) || isPseudoHeader(name)) continue
     headers[name] = Array.isArray(value) ? value.map(String) : String(value)
   }
   const contentType = all['content-type']

@@ -33,14 +33,12 @@ export class RawBodyHash {
   }
 
   /**
-   * Whether the body is still there to be read: it has one (a length or chunked encoding) and no
-   * parser has read it. Such a body that reaches the handler unparsed (request.body undefined) is
-   * one the handler reads itself, and is fingerprinted by its raw bytes.
+   * Whether the body is still there to be read: it has one and no parser has read it. Such a body
+   * that reaches the handler unparsed (request.body undefined) is one the handler reads itself,
+   * and is fingerprinted by its raw bytes.
    */
   static unread (raw: IncomingMessage): boolean {
-    const length = raw.headers['content-length']
-    const hasBody = (length !== undefined && length !== '0') || raw.headers['transfer-encoding'] !== undefined
-    return hasBody && !raw.readableEnded && raw.readableDidRead === false
+    return hasBody(raw) && !raw.readableEnded && raw.readableDidRead === false
   }
 
   /** Hash what is read from the stream from now on, by whoever reads it. */
@@ -94,12 +92,37 @@ export class RawBodyHash {
       }
       // The whole message has arrived and the buffer is empty: that was the last byte. 'end' is
       // not emitted yet, and once the bytes are put back it waits for them to be read.
-      if (raw.complete) break
+      if (arrived(raw)) break
       await readable(raw)
     }
     this.#finish()
     if (chunks.length > 0) raw.unshift(Buffer.concat(chunks))
   }
+}
+
+/**
+ * Whether a request has a body: over HTTP/1.1, a length above 0 or chunked encoding; over HTTP/2,
+ * which needs neither (and forbids chunked), a stream that did not end with its headers.
+ */
+function hasBody (raw: IncomingMessage): boolean {
+  const length = raw.headers['content-length']
+  if (length !== undefined) return length !== '0'
+  if (raw.headers['transfer-encoding'] !== undefined) return true
+  return http2Stream(raw)?.endAfterHeaders === false
+}
+
+/**
+ * Whether the whole body has arrived (all of it pushed into `raw`): HTTP/1.1's parser sets
+ * `complete`; an HTTP/2 request's `complete` waits for 'end', which comes only once the body is
+ * read, so there the stream under it tells: it has ended.
+ */
+function arrived (raw: IncomingMessage): boolean {
+  return raw.complete || http2Stream(raw)?.readableEnded === true
+}
+
+/** The HTTP/2 stream under a request of Fastify's `http2: true` server; `undefined` over HTTP/1.1. */
+function http2Stream (raw: IncomingMessage): { endAfterHeaders: boolean, readableEnded: boolean } | undefined {
+  return (raw as { stream?: { endAfterHeaders: boolean, readableEnded: boolean } }).stream
 }
 
 /** The delimiter of a multipart body (`--` and the boundary), from its Content-Type; `null` for other bodies. */
@@ -157,7 +180,7 @@ function readable (raw: IncomingMessage): Promise<void> {
       else reject(error)
     }
     const onReadable = (): void => { done() }
-    const onClose = (): void => { done(raw.complete ? undefined : new Error('the client went away before the request body was complete')) }
+    const onClose = (): void => { done(arrived(raw) ? undefined : new Error('the client went away before the request body was complete')) }
     raw.once('readable', onReadable)
     raw.once('close', onClose)
   })

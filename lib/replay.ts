@@ -12,6 +12,7 @@ import { promisify } from 'node:util'
 import { brotliDecompress, gunzip, inflate } from 'node:zlib'
 import { negotiate } from '@fastify/accept-negotiator'
 import type { FastifyReply, FastifyRequest } from 'fastify'
+import { isPseudoHeader } from './capture.js'
 import type { StoredResponse } from './storage/types.js'
 
 /** Marks a replay of an answer whose body was not kept (see StoredResponse.bodyOmitted). */
@@ -32,7 +33,8 @@ export function replayResponse (request: FastifyRequest, reply: FastifyReply, re
   reply.code(response.statusCode)
   const { headers } = response
   for (const name in headers) {
-    if (!reply.hasHeader(name)) reply.header(name, headers[name])
+    // An entry stored before pseudo-headers were left out could hold `:status`; setting it throws.
+    if (!reply.hasHeader(name) && !isPseudoHeader(name)) reply.header(name, headers[name])
   }
   if (response.contentType !== null) reply.header('content-type', response.contentType)
   if (replayHeader !== null) reply.header(replayHeader, 'true')

@@ -1,9 +1,11 @@
 /**
- * Every way Fastify lets a handler answer, on every store, over real HTTP: the first answer with a
- * key is the answer the same app gives without the plugin (status, headers, body), a retry gets
- * that answer again (replayed when it was stored), and no unhandled rejection surfaces.
+ * Every way Fastify lets a handler answer, on every store, over real HTTP/1.1 and HTTP/2 (h2c): the
+ * first answer with a key is the answer the same app gives without the plugin (status, headers,
+ * body), a retry gets that answer again (replayed when it was stored), and no unhandled rejection
+ * surfaces.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
+import { connect, type ClientHttp2Session } from 'node:http2'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
@@ -47,25 +49,64 @@ const styles: Record<string, [Style, OnRetry]> = {
   }, 'outcome']
 }
 
-async function serve (storage: IdempotencyStorage | undefined): Promise<{ app: FastifyInstance, url: string }> {
-  const app = Fastify()
+type Protocol = 'HTTP/1.1' | 'HTTP/2'
+
+/** What a client notices of an answer: status, the headers that are not per transmission, body. */
+interface Answer { status: number, headers: Record<string, string>, body: string, replayed: string | null }
+const PER_TRANSMISSION = new Set(['date', 'connection', 'keep-alive', 'transfer-encoding', 'content-length', 'idempotent-replayed'])
+
+function noticed (status: number, all: Iterable<[string, string]>, body: string): Answer {
+  const headers: Record<string, string> = {}
+  let replayed: string | null = null
+  for (const [name, value] of all) {
+    if (name === 'idempotent-replayed') replayed = value
+    if (!PER_TRANSMISSION.has(name) && !name.startsWith(':')) headers[name] = value
+  }
+  return { status, headers, body, replayed }
+}
+
+interface Server { answer: (path: string, key: string | undefined) => Promise<Answer>, close: () => Promise<void> }
+
+async function serve (storage: IdempotencyStorage | undefined, protocol: Protocol): Promise<Server> {
+  const app = protocol === 'HTTP/2' ? Fastify({ http2: true }) as unknown as FastifyInstance : Fastify()
   if (storage !== undefined) await app.register(idempotency, { storage })
   app.setErrorHandler(idempotencyErrorHandler())
   for (const [index, [handler]] of Object.values(styles).entries()) {
     app.post(`/style/${index}`, { config: { idempotency: true } }, handler)
   }
   await app.listen({ host: '127.0.0.1', port: 0 })
-  return { app, url: `http://127.0.0.1:${(app.server.address() as { port: number }).port}` }
-}
-
-/** What a client notices of an answer: status, the headers that are not per transmission, body. */
-async function answer (url: string, key: string | undefined): Promise<{ status: number, headers: Record<string, string>, body: string, replayed: string | null }> {
-  const res = await fetch(url, { method: 'POST', redirect: 'manual', headers: { 'content-type': 'application/json', ...(key === undefined ? {} : { 'idempotency-key': key }) }, body: '{"a":1}' })
-  const headers: Record<string, string> = {}
-  for (const [name, value] of res.headers) {
-    if (!['date', 'connection', 'keep-alive', 'transfer-encoding', 'content-length', 'idempotent-replayed'].includes(name)) headers[name] = value
+  const origin = `http://127.0.0.1:${(app.server.address() as { port: number }).port}`
+  const headers = (key: string | undefined): Record<string, string> => ({ 'content-type': 'application/json', ...(key === undefined ? {} : { 'idempotency-key': key }) })
+  if (protocol === 'HTTP/1.1') {
+    return {
+      answer: async (path, key) => {
+        const res = await fetch(origin + path, { method: 'POST', redirect: 'manual', headers: headers(key), body: '{"a":1}' })
+        return noticed(res.status, res.headers, await res.text())
+      },
+      close: async () => { await app.close() }
+    }
   }
-  return { status: res.status, headers, body: await res.text(), replayed: res.headers.get('idempotent-replayed') }
+  const session: ClientHttp2Session = connect(origin)
+  return {
+    answer: async (path, key) => await new Promise((resolve, reject) => {
+      const stream = session.request({ ':method': 'POST', ':path': path, ...headers(key) })
+      const chunks: Buffer[] = []
+      let status = 0
+      let received: Array<[string, string]> = []
+      stream.on('response', (h) => {
+        status = Number(h[':status'])
+        received = Object.entries(h).map(([name, value]) => [name, Array.isArray(value) ? value.join(', ') : String(value)])
+      })
+      stream.on('data', (chunk: Buffer) => chunks.push(chunk))
+      stream.on('end', () => { resolve(noticed(status, received, Buffer.concat(chunks).toString())) })
+      stream.on('error', reject)
+      stream.end('{"a":1}')
+    }),
+    close: async () => {
+      await new Promise<void>((resolve) => { session.close(() => { resolve() }) })
+      await app.close()
+    }
+  }
 }
 
 const rejections: unknown[] = []
@@ -76,37 +117,65 @@ afterAll(() => { process.off('unhandledRejection', onRejection) })
 for (const store of cases) {
   describe.skipIf(!store.available)(`every handler style, on ${store.name}${store.reason}`, () => {
     let storage: IdempotencyStorage
-    let guarded: Awaited<ReturnType<typeof serve>>
-    let bare: Awaited<ReturnType<typeof serve>>
-    beforeAll(async () => {
-      storage = await store.create()
-      guarded = await serve(storage)
-      bare = await serve(undefined)
-    })
-    afterAll(async () => {
-      await guarded.app.close()
-      await bare.app.close()
-      await store.cleanup()
-    })
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
     afterEach(() => { expect(rejections).toEqual([]) })
 
-    for (const [index, [name, [, onRetry]]] of Object.entries(styles).entries()) {
-      it(`${name}: the same answer as without the plugin, and ${onRetry} on a retry`, async () => {
-        const path = `/style/${index}`
-        const { replayed: _, ...expected } = await answer(bare.url + path, undefined)
-        const key = newKey()
-        const { replayed: firstReplayed, ...first } = await answer(guarded.url + path, key)
-        expect(first).toEqual(expected)
-        expect(firstReplayed).toBeNull()
-        const { replayed, ...retry } = await answer(guarded.url + path, key)
-        if (onRetry === 'outcome') {
-          const { 'idempotent-body-omitted': omitted, ...headers } = retry.headers
-          expect({ ...retry, headers }).toEqual({ ...expected, body: '' })
-          expect(omitted).toBe('true')
-        } else {
-          expect(retry).toEqual(expected)
+    it('an entry that holds an HTTP/2 pseudo-header (:status) is replayed without it', async () => {
+      const holding: IdempotencyStorage = new Proxy(storage, {
+        get (target, property) {
+          const value: unknown = Reflect.get(target, property, target)
+          if (property === 'complete') {
+            return async (...[key, token, response, expiration]: Parameters<IdempotencyStorage['complete']>) =>
+              await target.complete(key, token, { ...response, headers: { ...response.headers, ':status': String(response.statusCode) } }, expiration)
+          }
+          return typeof value === 'function' ? value.bind(target) : value
         }
-        expect(replayed).toBe(onRetry === 'run again' ? null : 'true')
+      })
+      const server = await serve(holding, 'HTTP/1.1')
+      try {
+        const key = newKey()
+        const { replayed: _, ...first } = await server.answer('/style/0', key)
+        const { replayed, ...retry } = await server.answer('/style/0', key)
+        expect(replayed).toBe('true')
+        expect(retry).toEqual(first)
+      } finally {
+        await server.close()
+      }
+    })
+
+    for (const protocol of ['HTTP/1.1', 'HTTP/2'] as const) {
+      describe(`over ${protocol}`, () => {
+        let guarded: Server
+        let bare: Server
+        beforeAll(async () => {
+          guarded = await serve(storage, protocol)
+          bare = await serve(undefined, protocol)
+        })
+        afterAll(async () => {
+          await guarded.close()
+          await bare.close()
+        })
+
+        for (const [index, [name, [, onRetry]]] of Object.entries(styles).entries()) {
+          it(`${name}: the same answer as without the plugin, and ${onRetry} on a retry`, async () => {
+            const path = `/style/${index}`
+            const { replayed: _, ...expected } = await bare.answer(path, undefined)
+            const key = newKey()
+            const { replayed: firstReplayed, ...first } = await guarded.answer(path, key)
+            expect(first).toEqual(expected)
+            expect(firstReplayed).toBeNull()
+            const { replayed, ...retry } = await guarded.answer(path, key)
+            if (onRetry === 'outcome') {
+              const { 'idempotent-body-omitted': omitted, ...headers } = retry.headers
+              expect({ ...retry, headers }).toEqual({ ...expected, body: '' })
+              expect(omitted).toBe('true')
+            } else {
+              expect(retry).toEqual(expected)
+            }
+            expect(replayed).toBe(onRetry === 'run again' ? null : 'true')
+          })
+        }
       })
     }
   })

@@ -1,10 +1,13 @@
 /**
- * Uploads and bodies the plugin cannot see parsed, over real HTTP, on every store: @fastify/multipart
- * in stream mode (the handler reads the body) and with attachFieldsToBody (a circular body),
- * @fastify/formbody, and a custom parser with `fingerprint: { body: 'raw' }`.
+ * Uploads and bodies the plugin cannot see parsed, over real HTTP/1.1 and HTTP/2 (h2c), on every
+ * store: @fastify/multipart in stream mode (the handler reads the body) and with
+ * attachFieldsToBody (a circular body), @fastify/formbody, and a custom parser with
+ * `fingerprint: { body: 'raw' }`. An HTTP/2 request announces its body with neither
+ * Content-Length nor chunked encoding.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { createHash } from 'node:crypto'
+import { connect } from 'node:http2'
 import Fastify, { type FastifyInstance } from 'fastify'
 import formbody from '@fastify/formbody'
 import multipart from '@fastify/multipart'
@@ -21,9 +24,34 @@ const file = (fill: number): Buffer => Buffer.alloc(300_000, fill)
 
 interface Answer { status: number, body: { sha?: string, size?: number, type?: string, [name: string]: unknown }, replayed: string | null }
 
+type Protocol = 'HTTP/1.1' | 'HTTP/2'
+
+/** A POST to `url`: over HTTP/2 when its scheme is `h2c:` (see `serve`), without Content-Length. */
 async function send (url: string, key: string, body: FormData | URLSearchParams | string, headers: Record<string, string> = {}): Promise<Answer> {
-  const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, ...headers }, body })
-  return { status: res.status, body: await res.json() as Answer['body'], replayed: res.headers.get('idempotent-replayed') }
+  if (!url.startsWith('h2c:')) {
+    const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, ...headers }, body })
+    return { status: res.status, body: await res.json() as Answer['body'], replayed: res.headers.get('idempotent-replayed') }
+  }
+  // The bytes and Content-Type fetch would send (a multipart body with its boundary).
+  const encoded = new Request('http://localhost/', { method: 'POST', body, headers })
+  const bytes = Buffer.from(await encoded.arrayBuffer())
+  const target = new URL(url.replace(/^h2c:/, 'http:'))
+  const session = connect(target.origin)
+  try {
+    return await new Promise<Answer>((resolve, reject) => {
+      const stream = session.request({ ':method': 'POST', ':path': target.pathname, 'idempotency-key': key, 'content-type': encoded.headers.get('content-type') ?? 'text/plain' })
+      let status = 0
+      let replayed: string | null = null
+      const chunks: Buffer[] = []
+      stream.on('response', (h) => { status = Number(h[':status']); replayed = h['idempotent-replayed'] === undefined ? null : String(h['idempotent-replayed']) })
+      stream.on('data', (chunk: Buffer) => chunks.push(chunk))
+      stream.on('end', () => { resolve({ status, body: JSON.parse(Buffer.concat(chunks).toString()) as Answer['body'], replayed }) })
+      stream.on('error', reject)
+      stream.end(bytes)
+    })
+  } finally {
+    session.close()
+  }
 }
 
 function upload (bytes: Buffer, name = 'receipt.bin'): FormData {
@@ -33,13 +61,14 @@ function upload (bytes: Buffer, name = 'receipt.bin'): FormData {
   return form
 }
 
-async function serve (storage: IdempotencyStorage, setup: (app: FastifyInstance) => Promise<void>): Promise<{ app: FastifyInstance, url: string, runs: () => number }> {
-  const app = Fastify({ bodyLimit: 2 * 1024 * 1024 })
+async function serve (storage: IdempotencyStorage, protocol: Protocol, setup: (app: FastifyInstance) => Promise<void>): Promise<{ app: FastifyInstance, url: string, runs: () => number }> {
+  const http2 = protocol === 'HTTP/2'
+  const app = http2 ? Fastify({ http2, bodyLimit: 2 * 1024 * 1024 }) as unknown as FastifyInstance : Fastify({ bodyLimit: 2 * 1024 * 1024 })
   await app.register(idempotency, { storage })
   app.setErrorHandler(idempotencyErrorHandler())
   await setup(app)
   await app.listen({ host: '127.0.0.1', port: 0 })
-  return { app, url: `http://127.0.0.1:${(app.server.address() as { port: number }).port}`, runs: () => runs }
+  return { app, url: `${http2 ? 'h2c' : 'http'}://127.0.0.1:${(app.server.address() as { port: number }).port}`, runs: () => runs }
 }
 let runs = 0
 
@@ -64,77 +93,81 @@ for (const store of cases) {
       expect(count() - before).toBe(1)
     }
 
-    it('@fastify/multipart in stream mode: the handler reads the whole file, and another file under the same key is a mismatch', async () => {
-      const { app, url, runs: count } = await serve(storage, async (app) => {
-        await app.register(multipart)
-        app.post('/uploads', { config: { idempotency: true } }, async (request, reply) => {
-          runs++
-          const part = await request.file()
-          const bytes = await part!.toBuffer()
-          reply.code(201)
-          return { sha: sha(bytes), size: bytes.length, name: part!.filename }
+    for (const protocol of ['HTTP/1.1', 'HTTP/2'] as const) {
+      describe(`over ${protocol}`, () => {
+        it('@fastify/multipart in stream mode: the handler reads the whole file, and another file under the same key is a mismatch', async () => {
+          const { app, url, runs: count } = await serve(storage, protocol, async (app) => {
+            await app.register(multipart)
+            app.post('/uploads', { config: { idempotency: true } }, async (request, reply) => {
+              runs++
+              const part = await request.file()
+              const bytes = await part!.toBuffer()
+              reply.code(201)
+              return { sha: sha(bytes), size: bytes.length, name: part!.filename }
+            })
+          })
+          try {
+            await expectTrueFingerprint(`${url}/uploads`, count(), count)
+          } finally {
+            await app.close()
+          }
+        })
+
+        it('@fastify/multipart with attachFieldsToBody: a circular body is fingerprinted, file bytes included', async () => {
+          const { app, url, runs: count } = await serve(storage, protocol, async (app) => {
+            await app.register(multipart, { attachFieldsToBody: true })
+            app.post('/uploads', { config: { idempotency: true } }, async (request, reply) => {
+              runs++
+              const body = request.body as { file: { toBuffer: () => Promise<Buffer>, filename: string }, note: { value: string } }
+              const bytes = await body.file.toBuffer()
+              reply.code(201)
+              return { sha: sha(bytes), size: bytes.length, note: body.note.value }
+            })
+          })
+          try {
+            await expectTrueFingerprint(`${url}/uploads`, count(), count)
+          } finally {
+            await app.close()
+          }
+        })
+
+        it('@fastify/formbody: a form body fingerprints by its fields', async () => {
+          const { app, url } = await serve(storage, protocol, async (app) => {
+            await app.register(formbody)
+            app.post('/forms', { config: { idempotency: true } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
+          })
+          try {
+            const key = newKey()
+            expect((await send(`${url}/forms`, key, new URLSearchParams({ amount: '10', currency: 'eur' }))).status).toBe(201)
+            expect((await send(`${url}/forms`, key, new URLSearchParams({ currency: 'eur', amount: '10' }))).replayed).toBe('true')
+            expect((await send(`${url}/forms`, key, new URLSearchParams({ amount: '11', currency: 'eur' }))).status).toBe(409)
+          } finally {
+            await app.close()
+          }
+        })
+
+        it("fingerprint: { body: 'raw' }: a custom parser's value counts by the bytes that came over the wire", async () => {
+          const { app, url } = await serve(storage, protocol, async (app) => {
+          // A parser that keeps only part of the body: two different bodies parse to the same value.
+            app.addContentTypeParser('application/x-order', { parseAs: 'string' }, (_request, body, done) => { done(null, { kind: String(body).split(';')[0] }) })
+            app.post('/raw', { config: { idempotency: { fingerprint: { body: 'raw' } } } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
+            app.post('/parsed', { config: { idempotency: true } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
+          })
+          try {
+            const headers = { 'content-type': 'application/x-order' }
+            const raw = newKey()
+            expect((await send(`${url}/raw`, raw, 'refund;amount=10', headers)).status).toBe(201)
+            expect((await send(`${url}/raw`, raw, 'refund;amount=10', headers)).replayed).toBe('true')
+            expect((await send(`${url}/raw`, raw, 'refund;amount=99', headers)).status).toBe(409)
+            // The parsed value alone cannot tell the two apart.
+            const parsed = newKey()
+            expect((await send(`${url}/parsed`, parsed, 'refund;amount=10', headers)).status).toBe(201)
+            expect((await send(`${url}/parsed`, parsed, 'refund;amount=99', headers)).replayed).toBe('true')
+          } finally {
+            await app.close()
+          }
         })
       })
-      try {
-        await expectTrueFingerprint(`${url}/uploads`, count(), count)
-      } finally {
-        await app.close()
-      }
-    })
-
-    it('@fastify/multipart with attachFieldsToBody: a circular body is fingerprinted, file bytes included', async () => {
-      const { app, url, runs: count } = await serve(storage, async (app) => {
-        await app.register(multipart, { attachFieldsToBody: true })
-        app.post('/uploads', { config: { idempotency: true } }, async (request, reply) => {
-          runs++
-          const body = request.body as { file: { toBuffer: () => Promise<Buffer>, filename: string }, note: { value: string } }
-          const bytes = await body.file.toBuffer()
-          reply.code(201)
-          return { sha: sha(bytes), size: bytes.length, note: body.note.value }
-        })
-      })
-      try {
-        await expectTrueFingerprint(`${url}/uploads`, count(), count)
-      } finally {
-        await app.close()
-      }
-    })
-
-    it('@fastify/formbody: a form body fingerprints by its fields', async () => {
-      const { app, url } = await serve(storage, async (app) => {
-        await app.register(formbody)
-        app.post('/forms', { config: { idempotency: true } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
-      })
-      try {
-        const key = newKey()
-        expect((await send(`${url}/forms`, key, new URLSearchParams({ amount: '10', currency: 'eur' }))).status).toBe(201)
-        expect((await send(`${url}/forms`, key, new URLSearchParams({ currency: 'eur', amount: '10' }))).replayed).toBe('true')
-        expect((await send(`${url}/forms`, key, new URLSearchParams({ amount: '11', currency: 'eur' }))).status).toBe(409)
-      } finally {
-        await app.close()
-      }
-    })
-
-    it("fingerprint: { body: 'raw' }: a custom parser's value counts by the bytes that came over the wire", async () => {
-      const { app, url } = await serve(storage, async (app) => {
-        // A parser that keeps only part of the body: two different bodies parse to the same value.
-        app.addContentTypeParser('application/x-order', { parseAs: 'string' }, (_request, body, done) => { done(null, { kind: String(body).split(';')[0] }) })
-        app.post('/raw', { config: { idempotency: { fingerprint: { body: 'raw' } } } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
-        app.post('/parsed', { config: { idempotency: true } }, async (request, reply) => { runs++; reply.code(201); return { got: request.body } })
-      })
-      try {
-        const headers = { 'content-type': 'application/x-order' }
-        const raw = newKey()
-        expect((await send(`${url}/raw`, raw, 'refund;amount=10', headers)).status).toBe(201)
-        expect((await send(`${url}/raw`, raw, 'refund;amount=10', headers)).replayed).toBe('true')
-        expect((await send(`${url}/raw`, raw, 'refund;amount=99', headers)).status).toBe(409)
-        // The parsed value alone cannot tell the two apart.
-        const parsed = newKey()
-        expect((await send(`${url}/parsed`, parsed, 'refund;amount=10', headers)).status).toBe(201)
-        expect((await send(`${url}/parsed`, parsed, 'refund;amount=99', headers)).replayed).toBe('true')
-      } finally {
-        await app.close()
-      }
-    })
+    }
   })
 }
