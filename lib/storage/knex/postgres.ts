@@ -80,6 +80,14 @@ interface PgConnection {
 /** 40001 only arises when the server's default isolation is stricter than READ COMMITTED. */
 const DEADLOCK_CODES = new Set(['40P01', '40001'])
 
+/**
+ * The server does not hold a named statement as node-postgres believes it does (26000: no such
+ * statement; 42P05: the name is taken): a pooler between them hands each statement to another
+ * server connection (PgBouncer in transaction mode before 1.21). Either error comes before the
+ * statement runs.
+ */
+const LOST_STATEMENT_CODES = new Set(['26000', '42P05'])
+
 export class PostgresDialect implements Dialect {
   readonly name = 'postgres' as const
   /** The table's NOTIFY channel (see pg-listener.ts). */
@@ -90,6 +98,8 @@ export class PostgresDialect implements Dialect {
   readonly #begin: Statement
   readonly #complete: Statement
   readonly #release: string
+  /** Whether statements are sent by name: `preparedStatements`, until the server turns out not to hold them. */
+  #named: boolean
 
   /**
    * `prepared`: name the hot statements, so each connection parses and plans them once. `begin`
@@ -105,6 +115,7 @@ export class PostgresDialect implements Dialect {
     // With the application's clock (tests), its value is the statement's last parameter.
     const at = (index: number): string => now === undefined ? SERVER_CLOCK.now : `$${index}::bigint`
     const statement = (text: string): Statement => ({ text, name: prepared ? `idempotency_${hash('sha256', text, 'hex').slice(0, 40)}` : undefined })
+    this.#named = prepared
     this.#begin = statement(begin(at(5), quoted))
     this.#complete = statement(complete(at(8), quoted))
     this.#release = release(this.clock.now)
@@ -149,8 +160,31 @@ export class PostgresDialect implements Dialect {
     return Number((rows[0] as { changed: unknown }).changed)
   }
 
-  /** A hot statement, on a connection of `db` (the pool's, or a transaction's). */
+  /**
+   * A hot statement, on a connection of `db` (the pool's, or a transaction's). When the server
+   * turns out not to hold the named statements, the store sends them unnamed from then on, with a
+   * process warning, and sends this one again unnamed: it did not run. Inside a transaction the
+   * error has aborted it, so it is passed on (the request's transaction fails, as on any store
+   * error), and the next requests are unaffected.
+   */
   async #run (db: Knex | Knex.Transaction, { text, name }: Statement, values: unknown[]): Promise<{ rows: unknown[] }> {
-    return await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query({ text, name, values }))
+    const send = async (named: string | undefined): Promise<{ rows: unknown[] }> =>
+      await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query({ text, name: named, values }))
+    if (!this.#named) return await send(undefined)
+    try {
+      return await send(name)
+    } catch (error) {
+      const code = String((error as { code?: unknown } | null)?.code)
+      if (!LOST_STATEMENT_CODES.has(code)) throw error
+      if (this.#named) {
+        // Once, though several requests may meet it at the same time.
+        this.#named = false
+        process.emitWarning(`PostgreSQL does not hold the store's prepared statements (${code}: ${(error as Error).message}), ` +
+          'as behind PgBouncer in transaction mode before 1.21: they are sent unprepared from now on. ' +
+          'Set preparedStatements: false to start that way.', { type: 'FastifyIdempotencyWarning', code: 'FASTIFY_IDEMPOTENCY_UNPREPARED' })
+      }
+      if ((db as Partial<Knex.Transaction>).isTransaction === true) throw error
+      return await send(undefined)
+    }
   }
 }
