@@ -4,6 +4,7 @@ import { join } from 'node:path'
 import { performance } from 'node:perf_hooks'
 import { setTimeout as sleep } from 'node:timers/promises'
 import knexFactory, { type Knex } from 'knex'
+import { knexSnakeCaseMappers } from 'objection'
 import { afterAll, afterEach, beforeEach, describe, expect, it } from 'vitest'
 import { storageConformance } from '../lib/storage/conformance.js'
 import { KnexStorage, MAX_KEY_BYTES } from '../lib/knex.js'
@@ -895,6 +896,51 @@ async function describeTable (knex: Knex, name: string): Promise<{ columns: unkn
     indexes = rows.map((row: { name: string }) => row.name)
   }
   return { columns, indexes: indexes.map((index) => index.split(name).join('T')).sort() }
+}
+
+/**
+ * Apps that use Objection.js (or knex-stringcase) hand the store a knex whose identifiers and
+ * result rows are renamed: camelCase in the app, snake_case in the database. In transaction mode
+ * the handler writes through the store's knex, so the store must work with the app's own.
+ */
+for (const target of targets) {
+  describe.skipIf(!target.availability.available)(`KnexStorage on ${target.name}, with Objection's knexSnakeCaseMappers${target.availability.reason}`, () => {
+    const instances: Knex[] = []
+    const created: string[] = []
+    const connect = (): Knex => {
+      const knex = knexFactory({ ...target.config(), ...knexSnakeCaseMappers() })
+      instances.push(knex)
+      return target.wrap === undefined ? knex : target.wrap(knex)
+    }
+    let knex: Knex | undefined
+    const storage = (now?: () => number): KnexStorage => {
+      knex ??= connect()
+      const tableName = uniqueTable()
+      created.push(tableName)
+      return new KnexStorage({ knex, tableName, createTable: true, now })
+    }
+    afterAll(async () => {
+      const plain = knexFactory(target.config())
+      for (const name of created) await dropIdempotencyTable(plain, name)
+      await plain.destroy()
+      for (const instance of instances) await instance.destroy()
+    })
+
+    storageConformance(`${target.name} with renamed columns`, () => storage(), { describe, it, beforeEach, afterAll })
+
+    it('purges expired rows', async () => {
+      let now = Date.now()
+      const store = storage(() => now)
+      for (const key of ['a', 'b', 'c']) {
+        const begun = await store.begin(key, 'fp', LEASE)
+        if (begun.state !== 'acquired') throw new Error('expected a lease')
+        expect(await store.complete(key, begun.token, response(), EXPIRY)).toBe(true)
+      }
+      now += EXPIRY + 1
+      expect(await store.purgeExpired()).toBe(3)
+      expect((await store.begin('a', 'fp', LEASE)).state).toBe('acquired')
+    })
+  })
 }
 
 describe('KnexStorage construction', () => {

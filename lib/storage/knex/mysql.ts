@@ -144,10 +144,11 @@ export class MysqlDialect implements Dialect {
    */
   async purgeBatch (knex: Knex, table: string, batchSize: number): Promise<{ chosen: number, deleted: number }> {
     const expired = `expires_at <= ${this.clock.scan}`
-    const rows = await this.bound(knex(table).select('idempotency_key').whereRaw(expired, this.clock.values())
-      .orderBy('expires_at').limit(batchSize)) as Array<{ idempotency_key: Buffer }>
+    // `id`: a name no renaming of result columns changes (see Row).
+    const rows = await this.bound(knex(table).select('idempotency_key as id').whereRaw(expired, this.clock.values())
+      .orderBy('expires_at').limit(batchSize)) as Array<{ id: Buffer }>
     if (rows.length === 0) return { chosen: 0, deleted: 0 }
-    const deleted = await this.bound(knex(table).whereIn('idempotency_key', rows.map((row) => row.idempotency_key))
+    const deleted = await this.bound(knex(table).whereIn('idempotency_key', rows.map((row) => row.id))
       .andWhereRaw(expired, this.clock.values()).del())
     return { chosen: rows.length, deleted: Number(deleted) }
   }

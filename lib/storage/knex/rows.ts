@@ -7,21 +7,25 @@ import type { BeginResult } from '../types.js'
 import type { Clock } from './dialect.js'
 import { MAX_KEY_BYTES } from './schema.js'
 
-/** A row as the drivers return it. */
+/**
+ * A row as the drivers return it, under the names of COLUMNS. No name has an underscore, so a
+ * knex whose `postProcessResponse` renames result columns (Objection's knexSnakeCaseMappers,
+ * knex-stringcase: `lease_end` becomes `leaseEnd`) hands them back as they were asked for.
+ */
 export interface Row {
   fingerprint: string
   state: string
   token?: string | null
-  lease_end: unknown
-  status_code: unknown
-  content_type: string | null
+  leaseend: unknown
+  statuscode: unknown
+  contenttype: string | null
   headers: string | null
   body: unknown
 }
 
-/** The columns a result is built from, as a SELECT list and as knex's column array. */
-export const COLUMNS = 'fingerprint, state, lease_end, status_code, content_type, headers, body'
-export const READ_COLUMNS = ['fingerprint', 'state', 'lease_end', 'status_code', 'content_type', 'headers', 'body']
+/** The columns a result is built from, as a SELECT (or RETURNING) list and as knex's column array. */
+export const COLUMNS = 'fingerprint, state, lease_end AS leaseend, status_code AS statuscode, content_type AS contenttype, headers, body'
+export const READ_COLUMNS = ['fingerprint', 'state', 'lease_end as leaseend', 'status_code as statuscode', 'content_type as contenttype', 'headers', 'body']
 
 const LONE_SURROGATE = /\p{Surrogate}/u
 
@@ -58,8 +62,8 @@ export function toResult (row: Row): BeginResult {
       state: 'completed',
       fingerprint: row.fingerprint,
       response: {
-        statusCode: Number(row.status_code),
-        contentType: row.content_type ?? null,
+        statusCode: Number(row.statuscode),
+        contentType: row.contenttype ?? null,
         headers: row.headers === null ? {} : JSON.parse(row.headers),
         body: toBuffer(row.body),
         // An empty body is stored as an empty value; NULL says the body was not kept.
@@ -68,7 +72,7 @@ export function toResult (row: Row): BeginResult {
     }
   }
   if (row.state === 'in_flight') {
-    return { state: 'in-flight', fingerprint: row.fingerprint, lockExpiresAt: millis(row.lease_end) }
+    return { state: 'in-flight', fingerprint: row.fingerprint, lockExpiresAt: millis(row.leaseend) }
   }
   throw new Error(`KnexStorage: unexpected state ${JSON.stringify(row.state)} in the idempotency table`)
 }
