@@ -114,10 +114,13 @@ function hasBody (raw: IncomingMessage): boolean {
 /**
  * Whether the whole body has arrived (all of it pushed into `raw`): HTTP/1.1's parser sets
  * `complete`; an HTTP/2 request's `complete` waits for 'end', which comes only once the body is
- * read, so there the stream under it tells: it has ended.
+ * read, so there the stream under it tells: it has ended. Other requests (`app.inject`'s, which
+ * @fastify/aws-lambda and the like answer with) have neither: there the stream's own state tells
+ * that its end has been pushed, which Node keeps in `_readableState.ended` and exposes no other way.
  */
 function arrived (raw: IncomingMessage): boolean {
-  return raw.complete || http2Stream(raw)?.readableEnded === true
+  if (raw.complete === true || http2Stream(raw)?.readableEnded === true) return true
+  return (raw as { _readableState?: { ended?: boolean } })._readableState?.ended === true
 }
 
 /** The HTTP/2 stream under a request of Fastify's `http2: true` server; `undefined` over HTTP/1.1. */

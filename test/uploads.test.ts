@@ -1,9 +1,9 @@
 /**
- * Uploads and bodies the plugin cannot see parsed, over real HTTP/1.1 and HTTP/2 (h2c), on every
- * store: @fastify/multipart in stream mode (the handler reads the body) and with
- * attachFieldsToBody (a circular body), @fastify/formbody, and a custom parser with
- * `fingerprint: { body: 'raw' }`. An HTTP/2 request announces its body with neither
- * Content-Length nor chunked encoding.
+ * Uploads and bodies the plugin cannot see parsed, over real HTTP/1.1 and HTTP/2 (h2c), and through
+ * `app.inject` (as @fastify/aws-lambda serves), on every store: @fastify/multipart in stream mode
+ * (the handler reads the body) and with attachFieldsToBody (a circular body), @fastify/formbody,
+ * and a custom parser with `fingerprint: { body: 'raw' }`. An HTTP/2 request announces its body
+ * with neither Content-Length nor chunked encoding; an injected one is no IncomingMessage.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { createHash } from 'node:crypto'
@@ -24,18 +24,29 @@ const file = (fill: number): Buffer => Buffer.alloc(300_000, fill)
 
 interface Answer { status: number, body: { sha?: string, size?: number, type?: string, [name: string]: unknown }, replayed: string | null }
 
-type Protocol = 'HTTP/1.1' | 'HTTP/2'
+type Protocol = 'HTTP/1.1' | 'HTTP/2' | 'inject'
 
-/** A POST to `url`: over HTTP/2 when its scheme is `h2c:` (see `serve`), without Content-Length. */
+/** The apps served through `app.inject`, by the host of their `inject:` URL. */
+const injected = new Map<string, FastifyInstance>()
+
+/**
+ * A POST to `url`: over HTTP/1.1 (`http:`), over HTTP/2 without Content-Length (`h2c:`), or
+ * through `app.inject` (`inject:`), as `serve` named it.
+ */
 async function send (url: string, key: string, body: FormData | URLSearchParams | string, headers: Record<string, string> = {}): Promise<Answer> {
-  if (!url.startsWith('h2c:')) {
+  if (url.startsWith('http:')) {
     const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, ...headers }, body })
     return { status: res.status, body: await res.json() as Answer['body'], replayed: res.headers.get('idempotent-replayed') }
   }
   // The bytes and Content-Type fetch would send (a multipart body with its boundary).
   const encoded = new Request('http://localhost/', { method: 'POST', body, headers })
   const bytes = Buffer.from(await encoded.arrayBuffer())
-  const target = new URL(url.replace(/^h2c:/, 'http:'))
+  const target = new URL(url.replace(/^[a-z0-9]+:/, 'http:'))
+  if (url.startsWith('inject:')) {
+    const res = await injected.get(target.host)!.inject({ method: 'POST', url: target.pathname, headers: { 'idempotency-key': key, 'content-type': encoded.headers.get('content-type') ?? 'text/plain' }, payload: bytes })
+    const replayed = res.headers['idempotent-replayed']
+    return { status: res.statusCode, body: res.json(), replayed: replayed === undefined ? null : String(replayed) }
+  }
   const session = connect(target.origin)
   try {
     return await new Promise<Answer>((resolve, reject) => {
@@ -67,6 +78,11 @@ async function serve (storage: IdempotencyStorage, protocol: Protocol, setup: (a
   await app.register(idempotency, { storage })
   app.setErrorHandler(idempotencyErrorHandler())
   await setup(app)
+  if (protocol === 'inject') {
+    const host = `app${injected.size}`
+    injected.set(host, app)
+    return { app, url: `inject://${host}`, runs: () => runs }
+  }
   await app.listen({ host: '127.0.0.1', port: 0 })
   return { app, url: `${http2 ? 'h2c' : 'http'}://127.0.0.1:${(app.server.address() as { port: number }).port}`, runs: () => runs }
 }
@@ -93,7 +109,7 @@ for (const store of cases) {
       expect(count() - before).toBe(1)
     }
 
-    for (const protocol of ['HTTP/1.1', 'HTTP/2'] as const) {
+    for (const protocol of ['HTTP/1.1', 'HTTP/2', 'inject'] as const) {
       describe(`over ${protocol}`, () => {
         it('@fastify/multipart in stream mode: the handler reads the whole file, and another file under the same key is a mismatch', async () => {
           const { app, url, runs: count } = await serve(storage, protocol, async (app) => {
