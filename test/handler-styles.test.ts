@@ -1,8 +1,8 @@
 /**
- * Every way Fastify lets a handler answer, on every store, over real HTTP/1.1 and HTTP/2 (h2c): the
- * first answer with a key is the answer the same app gives without the plugin (status, headers,
- * body), a retry gets that answer again (replayed when it was stored), and no unhandled rejection
- * surfaces.
+ * Every way Fastify lets a handler answer, on every store, over real HTTP/1.1 and HTTP/2 (h2c) and
+ * through `app.inject` (as serverless adapters serve): the first answer with a key is the answer
+ * the same app gives without the plugin (status, headers, body), a retry gets that answer again
+ * (replayed when it was stored), and no unhandled rejection surfaces.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
 import { connect, type ClientHttp2Session } from 'node:http2'
@@ -49,7 +49,7 @@ const styles: Record<string, [Style, OnRetry]> = {
   }, 'outcome']
 }
 
-type Protocol = 'HTTP/1.1' | 'HTTP/2'
+type Protocol = 'HTTP/1.1' | 'HTTP/2' | 'inject'
 
 /** What a client notices of an answer: status, the headers that are not per transmission, body. */
 interface Answer { status: number, headers: Record<string, string>, body: string, replayed: string | null }
@@ -73,6 +73,16 @@ async function serve (storage: IdempotencyStorage | undefined, protocol: Protoco
   app.setErrorHandler(idempotencyErrorHandler())
   for (const [index, [handler]] of Object.values(styles).entries()) {
     app.post(`/style/${index}`, { config: { idempotency: true } }, handler)
+  }
+  if (protocol === 'inject') {
+    await app.ready()
+    return {
+      answer: async (path, key) => {
+        const res = await app.inject({ method: 'POST', url: path, headers: { 'content-type': 'application/json', ...(key === undefined ? {} : { 'idempotency-key': key }) }, payload: '{"a":1}' })
+        return noticed(res.statusCode, Object.entries(res.headers).map(([n, v]) => [n, Array.isArray(v) ? v.join(', ') : String(v)]), res.body)
+      },
+      close: async () => { await app.close() }
+    }
   }
   await app.listen({ host: '127.0.0.1', port: 0 })
   const origin = `http://127.0.0.1:${(app.server.address() as { port: number }).port}`
@@ -144,7 +154,7 @@ for (const store of cases) {
       }
     })
 
-    for (const protocol of ['HTTP/1.1', 'HTTP/2'] as const) {
+    for (const protocol of ['HTTP/1.1', 'HTTP/2', 'inject'] as const) {
       describe(`over ${protocol}`, () => {
         let guarded: Server
         let bare: Server
