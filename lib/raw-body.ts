@@ -15,7 +15,7 @@
  * does), so the hash leaves it out: the same form sent twice hashes the same.
  */
 import { createHash, type Hash } from 'node:crypto'
-import type { IncomingMessage } from 'node:http'
+import { IncomingMessage } from 'node:http'
 
 type Emit = IncomingMessage['emit']
 
@@ -102,13 +102,17 @@ export class RawBodyHash {
 
 /**
  * Whether a request has a body: over HTTP/1.1, a length above 0 or chunked encoding; over HTTP/2,
- * which needs neither (and forbids chunked), a stream that did not end with its headers.
+ * which needs neither (and forbids chunked), a stream that did not end with its headers. A request
+ * that came through neither parser (`app.inject` with a stream payload, which sends no length)
+ * may have one whatever its headers say: reading it tells.
  */
 function hasBody (raw: IncomingMessage): boolean {
   const length = raw.headers['content-length']
   if (length !== undefined) return length !== '0'
   if (raw.headers['transfer-encoding'] !== undefined) return true
-  return http2Stream(raw)?.endAfterHeaders === false
+  const stream = http2Stream(raw)
+  if (stream !== undefined) return !stream.endAfterHeaders
+  return !(raw instanceof IncomingMessage)
 }
 
 /**

@@ -8,6 +8,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { createHash } from 'node:crypto'
 import { connect } from 'node:http2'
+import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance } from 'fastify'
 import formbody from '@fastify/formbody'
 import multipart from '@fastify/multipart'
@@ -24,7 +25,7 @@ const file = (fill: number): Buffer => Buffer.alloc(300_000, fill)
 
 interface Answer { status: number, body: { sha?: string, size?: number, type?: string, [name: string]: unknown }, replayed: string | null }
 
-type Protocol = 'HTTP/1.1' | 'HTTP/2' | 'inject'
+type Protocol = 'HTTP/1.1' | 'HTTP/2' | 'inject' | 'inject, streamed body'
 
 /** The apps served through `app.inject`, by the host of their `inject:` URL. */
 const injected = new Map<string, FastifyInstance>()
@@ -43,7 +44,9 @@ async function send (url: string, key: string, body: FormData | URLSearchParams 
   const bytes = Buffer.from(await encoded.arrayBuffer())
   const target = new URL(url.replace(/^[a-z0-9]+:/, 'http:'))
   if (url.startsWith('inject:')) {
-    const res = await injected.get(target.host)!.inject({ method: 'POST', url: target.pathname, headers: { 'idempotency-key': key, 'content-type': encoded.headers.get('content-type') ?? 'text/plain' }, payload: bytes })
+    // A stream payload comes with no Content-Length.
+    const payload = target.host.endsWith('-streamed') ? Readable.from([bytes]) : bytes
+    const res = await injected.get(target.host)!.inject({ method: 'POST', url: target.pathname, headers: { 'idempotency-key': key, 'content-type': encoded.headers.get('content-type') ?? 'text/plain' }, payload })
     const replayed = res.headers['idempotent-replayed']
     return { status: res.statusCode, body: res.json(), replayed: replayed === undefined ? null : String(replayed) }
   }
@@ -78,8 +81,8 @@ async function serve (storage: IdempotencyStorage, protocol: Protocol, setup: (a
   await app.register(idempotency, { storage })
   app.setErrorHandler(idempotencyErrorHandler())
   await setup(app)
-  if (protocol === 'inject') {
-    const host = `app${injected.size}`
+  if (protocol.startsWith('inject')) {
+    const host = `app${injected.size}${protocol === 'inject' ? '' : '-streamed'}`
     injected.set(host, app)
     return { app, url: `inject://${host}`, runs: () => runs }
   }
@@ -109,7 +112,7 @@ for (const store of cases) {
       expect(count() - before).toBe(1)
     }
 
-    for (const protocol of ['HTTP/1.1', 'HTTP/2', 'inject'] as const) {
+    for (const protocol of ['HTTP/1.1', 'HTTP/2', 'inject', 'inject, streamed body'] as const) {
       describe(`over ${protocol}`, () => {
         it('@fastify/multipart in stream mode: the handler reads the whole file, and another file under the same key is a mismatch', async () => {
           const { app, url, runs: count } = await serve(storage, protocol, async (app) => {
