@@ -2,7 +2,8 @@
  * Turning what Fastify is about to send (the onSend payload and the reply's headers) into a
  * StoredResponse, without changing a byte of what the client receives.
  */
-import { pipeline, Transform, type Readable } from 'node:stream'
+import { pipeline, Readable, Transform } from 'node:stream'
+import type { ReadableStream as WebReadableStream } from 'node:stream/web'
 import type { FastifyReply } from 'fastify'
 import type { StoredResponse } from './storage/types.js'
 
@@ -29,14 +30,25 @@ export function snapshotResponse (reply: FastifyReply, excludedHeaders: Readonly
 }
 
 /**
- * The outcome of a response whose body cannot be captured: a web stream, or a `Response`, whose
- * own status and headers Fastify applies only after the onSend hooks, so they are read from it.
+ * A web `Response` or `ReadableStream` payload as Fastify would send it, done here instead of after
+ * the onSend hooks, so that what is stored (and whether it is) is what is sent: a Response's status
+ * and headers applied to the reply as Fastify applies them, and its body, like a web stream, as a
+ * Node stream whose bytes can be captured. A consumed body or a locked stream is left as it is:
+ * Fastify refuses it. Anything else is returned unchanged.
  */
-export function unstorableOutcome (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, payload: unknown): StoredResponse {
-  if (!isResponse(payload)) return snapshotResponse(reply, excludedHeaders, null)
-  const headers: HeaderValues = { ...reply.getHeaders() }
-  for (const [name, value] of payload.headers) headers[name] = value
-  return outcome(payload.status, headers, excludedHeaders, null)
+export function adoptWebPayload (reply: FastifyReply, payload: unknown): unknown {
+  if (isResponse(payload)) {
+    if (payload.body !== null && (payload.bodyUsed || payload.body.locked)) return payload
+    reply.code(payload.status)
+    for (const [name, value] of payload.headers) reply.header(name, value)
+    return payload.body === null ? null : Readable.fromWeb(payload.body as WebReadableStream)
+  }
+  if (isWebStream(payload) && !payload.locked) return Readable.fromWeb(payload)
+  return payload
+}
+
+function isWebStream (payload: unknown): payload is WebReadableStream {
+  return payload !== null && typeof payload === 'object' && typeof (payload as WebReadableStream).getReader === 'function'
 }
 
 /** The outcome of a hijacked reply: what was written on the raw response, without its body. */

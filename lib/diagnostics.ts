@@ -43,10 +43,10 @@ export interface IdempotencyEvent {
   durationMs: number
   statusCode?: number
   stored?: boolean
-  /** Stored without its body (too large, a web stream, a `Response`, a hijacked reply): the outcome only. */
+  /** Stored without its body (too large, a hijacked reply): the outcome only. */
   bodyOmitted?: boolean
   /** Why an executed request's response was not stored. */
-  reason?: 'failed' | 'not-cacheable' | 'too-large' | 'interrupted' | 'not-capturable' | 'hijacked' | 'lease-lost' | 'store-error'
+  reason?: 'failed' | 'not-cacheable' | 'too-large' | 'interrupted' | 'hijacked' | 'lease-lost' | 'store-error'
   waitedMs?: number
   /** Where it happened; `max-hold`: renewal stopped because the request held its key for `maxLockHold`. */
   phase?: 'begin' | 'complete' | 'release' | 'renew' | 'max-hold'

@@ -12,7 +12,7 @@
  */
 import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
 import { BodyNestedTooDeeplyError } from './canonical-value.js'
-import { captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, unstorableOutcome } from './capture.js'
+import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
 import { acquire } from './engine/acquire.js'
 import { RequestState } from './engine/request-state.js'
 import { createRouteEngine, type RouteEngine } from './engine/route-engine.js'
@@ -207,14 +207,21 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
 }
 
 /**
- * Hand the payload on to Fastify from a promise callback. When Fastify cannot write it because a
- * response was written already (it warns of that itself), the error is kept at debug level: it
- * must never become a rejection nobody handles, which would end the process.
+ * Hand the payload on to Fastify from a promise callback. Fastify throws from there when it refuses
+ * the payload (a Response whose body was read, say): called from the handler, that throw would
+ * have reached its error handler, so it is sent there, or the request would never be answered.
+ * When it cannot write because a response was written already (it warns of that itself), the
+ * error is kept at debug level: it must never become a rejection nobody handles, which would end
+ * the process.
  */
 function handOn (reply: FastifyReply, done: (error: Error | null, payload?: unknown) => void, error: Error | null, payload?: unknown): void {
   try {
     done(error, payload)
   } catch (late) {
+    if (!reply.raw.headersSent) {
+      reply.send(late)
+      return
+    }
     reply.log.debug({ err: late }, 'fastify-idempotency: a second send of this reply was not written')
   }
 }
@@ -259,8 +266,10 @@ function run (route: Route, request: GuardedRequest, reply: FastifyReply, state:
 }
 
 /** The handler's response: store it (or give the key back) and hand on the payload to send. */
-async function settleResponse (route: Route, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
+async function settleResponse (route: Route, reply: FastifyReply, state: RequestState, sent: unknown): Promise<unknown> {
   const { engine, settings, plugin: { excludedHeaders } } = route
+  // A Response's own status is the one sent: it decides whether the answer is kept.
+  const payload = adoptWebPayload(reply, sent)
   const statusCode = reply.statusCode
   if (state.failed || !isStorable(settings, statusCode)) {
     await settle(engine, state, statusCode, null, state.failed ? 'failed' : 'not-cacheable')
@@ -288,10 +297,10 @@ async function settleResponse (route: Route, reply: FastifyReply, state: Request
     }))
     return capture.stream
   }
-  // A web stream or a Response: sent as it is; its outcome is kept, or the key freed (in
-  // transaction mode, then refused).
-  const outcome = settings.keepUnstorable ? unstorableOutcome(reply, excludedHeaders, payload) : null
-  await settleOrRefuse(engine, state, outcome?.statusCode ?? statusCode, outcome, 'not-capturable', 'response cannot be stored in transaction mode')
+  // Anything else (a Response whose body was read already, a locked web stream, an object that
+  // is not bytes): Fastify refuses to send it, and answers 500 instead. Nothing was answered, so
+  // nothing is kept, as for an error.
+  await settle(engine, state, statusCode, null, 'failed')
   return payload
 }
 

@@ -36,8 +36,14 @@ const styles: Record<string, [Style, OnRetry]> = {
   'a Node stream': [async (_req, reply) => { reply.type('text/plain'); return Readable.from(['a', 'b', 'c']) }, 'replayed'],
   'a Buffer': [async (_req, reply) => { reply.type('application/octet-stream'); return Buffer.from([0, 1, 2, 255]) }, 'replayed'],
   'a string': [async () => 'plain text', 'replayed'],
-  'a web stream': [async (_req, reply) => { reply.type('text/plain'); return new ReadableStream({ start (c) { c.enqueue(new TextEncoder().encode('web')); c.close() } }) }, 'outcome'],
-  'a Response': [async () => new Response('from a Response', { status: 201, headers: { 'content-type': 'text/plain', 'x-from': 'response' } }), 'outcome'],
+  'a web stream': [async (_req, reply) => { reply.type('text/plain'); return new ReadableStream({ start (c) { c.enqueue(new TextEncoder().encode('web')); c.close() } }) }, 'replayed'],
+  'a Response': [async () => new Response('from a Response', { status: 201, headers: { 'content-type': 'text/plain', 'x-from': 'response' } }), 'replayed'],
+  'a Response without a body': [async () => new Response(null, { status: 202, headers: { 'x-from': 'response' } }), 'replayed'],
+  // The Response's status is the one sent, whatever reply.code() said before it.
+  'a Response with status 500': [async () => new Response('upstream failed', { status: 500 }), 'run again'],
+  // Fastify refuses it (500 FST_ERR_REP_RESPONSE_BODY_CONSUMED): nothing is kept.
+  'a Response whose body was read': [async () => { const response = new Response('read', { status: 201 }); await response.text(); return response }, 'run again'],
+  'reply.code(500), then a Response with status 201': [async (_req, reply) => { reply.code(500); return new Response('created', { status: 201 }) }, 'replayed'],
   'reply.redirect()': [async (_req, reply) => reply.redirect('/elsewhere', 303), 'run again'],
   'an error thrown': [async () => { throw Object.assign(new Error('declined'), { statusCode: 402 }) }, 'run again'],
   'reply.send(error)': [(_req, reply) => { reply.send(Object.assign(new Error('declined'), { statusCode: 402 })) }, 'run again'],
