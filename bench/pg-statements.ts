@@ -26,6 +26,7 @@ import { readdirSync, readFileSync } from 'node:fs'
 import { parseArgs } from 'node:util'
 import knexFactory from 'knex'
 import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
+import { onConnection } from '../lib/storage/knex/dialect.js'
 import { benchEnv } from './scenarios/common.js'
 
 const { values: args } = parseArgs({ options: { ops: { type: 'string' }, rounds: { type: 'string' } } })
@@ -75,10 +76,9 @@ SELECT (SELECT count(*) FROM taken)::integer AS taken, live.* FROM (VALUES (1)) 
 }
 
 interface PgConnection { query: (config: { text: string, name: string, values: unknown[] }) => Promise<unknown> }
-const client = knex.client as { acquireConnection: () => Promise<PgConnection>, releaseConnection: (c: PgConnection) => Promise<unknown> }
+/** A variant as the store sends its own: prepared, on a pooled connection directly. */
 async function prepared (name: string, text: string, values: unknown[]): Promise<void> {
-  const connection = await client.acquireConnection()
-  try { await connection.query({ name: `bench_${name.replace(/\W/g, '_')}`, text, values }) } finally { await client.releaseConnection(connection) }
+  await onConnection<PgConnection, unknown>(knex, 0, async (connection) => await connection.query({ name: `bench_${name.replace(/\W/g, '_')}`, text, values }))
 }
 
 /** One measurement: `run(i)` for i in 0..OPS-1, IN_FLIGHT at a time; database and Node CPU per call. */

@@ -5,13 +5,14 @@
  * (replayed when it was stored), and no unhandled rejection surfaces.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
-import { connect, type ClientHttp2Session } from 'node:http2'
+import { connect } from 'node:http2'
 import { Readable } from 'node:stream'
 import { setTimeout as sleep } from 'node:timers/promises'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
-import { newKey } from './helpers/app.js'
+import { newKey, withMethods } from './helpers/app.js'
+import { http2Post } from './helpers/http2.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -103,22 +104,12 @@ async function serve (storage: IdempotencyStorage | undefined, protocol: Protoco
       close: async () => { await app.close() }
     }
   }
-  const session: ClientHttp2Session = connect(origin)
+  const session = connect(origin)
   return {
-    answer: async (path, key) => await new Promise((resolve, reject) => {
-      const stream = session.request({ ':method': 'POST', ':path': path, ...headers(key) })
-      const chunks: Buffer[] = []
-      let status = 0
-      let received: Array<[string, string]> = []
-      stream.on('response', (h) => {
-        status = Number(h[':status'])
-        received = Object.entries(h).map(([name, value]) => [name, Array.isArray(value) ? value.join(', ') : String(value)])
-      })
-      stream.on('data', (chunk: Buffer) => chunks.push(chunk))
-      stream.on('end', () => { resolve(noticed(status, received, Buffer.concat(chunks).toString())) })
-      stream.on('error', reject)
-      stream.end('{"a":1}')
-    }),
+    answer: async (path, key) => {
+      const { status, headers: received, body } = await http2Post(session, path, headers(key), '{"a":1}')
+      return noticed(status, received, body.toString())
+    },
     close: async () => {
       await new Promise<void>((resolve) => { session.close(() => { resolve() }) })
       await app.close()
@@ -139,15 +130,9 @@ for (const store of cases) {
     afterEach(() => { expect(rejections).toEqual([]) })
 
     it('an entry that holds an HTTP/2 pseudo-header (:status) is replayed without it', async () => {
-      const holding: IdempotencyStorage = new Proxy(storage, {
-        get (target, property) {
-          const value: unknown = Reflect.get(target, property, target)
-          if (property === 'complete') {
-            return async (...[key, token, response, expiration]: Parameters<IdempotencyStorage['complete']>) =>
-              await target.complete(key, token, { ...response, headers: { ...response.headers, ':status': String(response.statusCode) } }, expiration)
-          }
-          return typeof value === 'function' ? value.bind(target) : value
-        }
+      const holding = withMethods(storage, {
+        complete: async (...[key, token, response, expiration]: Parameters<IdempotencyStorage['complete']>) =>
+          await storage.complete(key, token, { ...response, headers: { ...response.headers, ':status': String(response.statusCode) } }, expiration)
       })
       const server = await serve(holding, 'HTTP/1.1')
       try {

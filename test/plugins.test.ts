@@ -16,7 +16,7 @@ import helmet from '@fastify/helmet'
 import rateLimit from '@fastify/rate-limit'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
-import { newKey } from './helpers/app.js'
+import { newKey, withMethods } from './helpers/app.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -79,15 +79,21 @@ async function serve (storage: IdempotencyStorage, register: (app: FastifyInstan
 /** The store, with a count of the `begin` calls that reach it. */
 function countingBegins (storage: IdempotencyStorage): { storage: IdempotencyStorage, begins: () => number } {
   let begins = 0
-  const counted = new Proxy(storage, {
-    get (target, property) {
-      const value: unknown = Reflect.get(target, property, target)
-      if (typeof value !== 'function') return value
-      if (property === 'begin') return async (...args: Parameters<IdempotencyStorage['begin']>) => { begins++; return await target.begin(...args) }
-      return value.bind(target)
-    }
+  const counted = withMethods(storage, {
+    begin: async (...args: Parameters<IdempotencyStorage['begin']>) => { begins++; return await storage.begin(...args) }
   })
   return { storage: counted, begins: () => begins }
+}
+
+/** A first request with a new key (201), then its retry, replayed with the same body. */
+async function firstAndReplay (port: number, path: string): Promise<{ key: string, first: Answer, retry: Answer }> {
+  const key = newKey()
+  const first = await post(port, path, { 'idempotency-key': key })
+  expect(first.status).toBe(201)
+  const retry = await post(port, path, { 'idempotency-key': key })
+  expect(retry.headers['idempotent-replayed']).toBe('true')
+  expect(retry.body.equals(first.body)).toBe(true)
+  return { key, first, retry }
 }
 
 for (const store of cases) {
@@ -140,13 +146,8 @@ for (const store of cases) {
         const counted = countingBegins(storage)
         const { app, port } = await serve(counted.storage, async (app) => { await app.register(rateLimit, { max: 2, timeWindow: 60_000 }) }, order)
         try {
-          const key = newKey()
-          const first = await post(port, '/payments', { 'idempotency-key': key })
-          expect(first.status).toBe(201)
+          const { key, first, retry } = await firstAndReplay(port, '/payments')
           expect(first.headers['x-ratelimit-remaining']).toBe('1')
-          const retry = await post(port, '/payments', { 'idempotency-key': key })
-          expect(retry.headers['idempotent-replayed']).toBe('true')
-          expect(retry.body.equals(first.body)).toBe(true)
           // The retry's own budget, not the one stored with the first answer.
           expect(retry.headers['x-ratelimit-remaining']).toBe('0')
           const begins = counted.begins()
@@ -191,13 +192,8 @@ for (const store of cases) {
       it(`@fastify/helmet registered ${order}: a replay carries the security headers, the Content-Security-Policy nonce its own`, async () => {
         const { app, port } = await serve(storage, async (app) => { await app.register(helmet, { enableCSPNonces: true }) }, order)
         try {
-          const key = newKey()
-          const first = await post(port, '/payments', { 'idempotency-key': key })
-          expect(first.status).toBe(201)
+          const { first, retry } = await firstAndReplay(port, '/payments')
           expect(first.headers['x-content-type-options']).toBe('nosniff')
-          const retry = await post(port, '/payments', { 'idempotency-key': key })
-          expect(retry.headers['idempotent-replayed']).toBe('true')
-          expect(retry.body.equals(first.body)).toBe(true)
           expect(retry.headers['x-content-type-options']).toBe('nosniff')
           expect(retry.headers['strict-transport-security']).toBe(first.headers['strict-transport-security'])
           const nonce = (answer: Answer): string | undefined => /'nonce-([^']+)'/.exec(String(answer.headers['content-security-policy']))?.[1]
@@ -212,14 +208,9 @@ for (const store of cases) {
       it(`@fastify/cookie registered ${order}: the cookie an answer set is not replayed to a retry`, async () => {
         const { app, port } = await serve(storage, async (app) => { await app.register(cookie) }, order)
         try {
-          const key = newKey()
-          const first = await post(port, '/sessions', { 'idempotency-key': key })
-          expect(first.status).toBe(201)
+          const { first, retry } = await firstAndReplay(port, '/sessions')
           expect(first.headers['set-cookie']).toHaveLength(1)
           expect(first.headers['set-cookie']?.[0]).toMatch(new RegExp(`^session=${JSON.parse(first.body.toString()).session};`))
-          const retry = await post(port, '/sessions', { 'idempotency-key': key })
-          expect(retry.headers['idempotent-replayed']).toBe('true')
-          expect(retry.body.equals(first.body)).toBe(true)
           expect(retry.headers['set-cookie']).toBeUndefined()
         } finally {
           await app.close()

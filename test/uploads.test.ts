@@ -15,6 +15,7 @@ import multipart from '@fastify/multipart'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
+import { http2Post } from './helpers/http2.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -52,17 +53,9 @@ async function send (url: string, key: string, body: FormData | URLSearchParams 
   }
   const session = connect(target.origin)
   try {
-    return await new Promise<Answer>((resolve, reject) => {
-      const stream = session.request({ ':method': 'POST', ':path': target.pathname, 'idempotency-key': key, 'content-type': encoded.headers.get('content-type') ?? 'text/plain' })
-      let status = 0
-      let replayed: string | null = null
-      const chunks: Buffer[] = []
-      stream.on('response', (h) => { status = Number(h[':status']); replayed = h['idempotent-replayed'] === undefined ? null : String(h['idempotent-replayed']) })
-      stream.on('data', (chunk: Buffer) => chunks.push(chunk))
-      stream.on('end', () => { resolve({ status, body: JSON.parse(Buffer.concat(chunks).toString()) as Answer['body'], replayed }) })
-      stream.on('error', reject)
-      stream.end(bytes)
-    })
+    const answer = await http2Post(session, target.pathname, { 'idempotency-key': key, 'content-type': encoded.headers.get('content-type') ?? 'text/plain' }, bytes)
+    const replayed = answer.headers.find(([name]) => name === 'idempotent-replayed')?.[1] ?? null
+    return { status: answer.status, body: JSON.parse(answer.body.toString()) as Answer['body'], replayed }
   } finally {
     session.close()
   }

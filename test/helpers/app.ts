@@ -40,3 +40,18 @@ export async function buildApp (options: IdempotencyOptions = {}, routes: Record
   await app.ready()
   return { app, runs }
 }
+
+/**
+ * `storage` with some of its methods replaced (to count or alter calls), the others bound to it, so
+ * a storage with private fields still works behind it.
+ */
+export function withMethods<S extends object> (storage: S, replaced: Partial<Record<keyof S, (...args: never[]) => unknown>>): S {
+  return new Proxy(storage, {
+    get (target, property) {
+      const own = (replaced as Record<PropertyKey, unknown>)[property]
+      if (own !== undefined) return own
+      const value: unknown = Reflect.get(target, property, target)
+      return typeof value === 'function' ? value.bind(target) : value
+    }
+  })
+}

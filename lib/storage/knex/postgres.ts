@@ -168,11 +168,9 @@ export class PostgresDialect implements Dialect {
    * error), and the next requests are unaffected.
    */
   async #run (db: Knex | Knex.Transaction, { text, name }: Statement, values: unknown[]): Promise<{ rows: unknown[] }> {
-    const send = async (named: string | undefined): Promise<{ rows: unknown[] }> =>
-      await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query({ text, name: named, values }))
-    if (!this.#named) return await send(undefined)
+    if (!this.#named) return await this.#send(db, text, undefined, values)
     try {
-      return await send(name)
+      return await this.#send(db, text, name, values)
     } catch (error) {
       const code = String((error as { code?: unknown } | null)?.code)
       if (!LOST_STATEMENT_CODES.has(code)) throw error
@@ -184,7 +182,12 @@ export class PostgresDialect implements Dialect {
           'Set preparedStatements: false to start that way.', { type: 'FastifyIdempotencyWarning', code: 'FASTIFY_IDEMPOTENCY_UNPREPARED' })
       }
       if ((db as Partial<Knex.Transaction>).isTransaction === true) throw error
-      return await send(undefined)
+      return await this.#send(db, text, undefined, values)
     }
+  }
+
+  /** One statement on a connection of `db`, by `name` when given (prepared), else unnamed. */
+  async #send (db: Knex | Knex.Transaction, text: string, name: string | undefined, values: unknown[]): Promise<{ rows: unknown[] }> {
+    return await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query({ text, name, values }))
   }
 }
