@@ -1,6 +1,6 @@
 import { defineConfig } from 'tsup'
 
-export default defineConfig({
+export default defineConfig([{
   entry: {
     index: 'lib/index.ts',
     redis: 'lib/redis.ts',
@@ -8,10 +8,16 @@ export default defineConfig({
     conformance: 'lib/storage/conformance.ts'
   },
   format: ['esm', 'cjs'],
-  dts: true,
+  dts: false,
   clean: true,
   target: 'node20',
   // structured-headers ships ESM only; bundling it keeps `require('fastify-idempotency')` working
   // on every Node 20 release, not only those that can require() ES modules.
   noExternal: ['structured-headers']
-})
+}, {
+  // The command (package.json `bin`): ESM only, loaded by Node as the program; not an entry to import.
+  entry: { cli: 'lib/cli/main.ts' },
+  format: ['esm'],
+  target: 'node20',
+  noExternal: ['structured-headers']
+}])

@@ -1,6 +1,6 @@
 /**
  * From runs to conclusions: medians per scenario and workload, ratios paired by round, the
- * contract's bars, the comparison with the peers, and the outputs (latest.md, the SVG chart,
+ * performance targets, the comparison with the peers, and the outputs (latest.md, the SVG chart,
  * docs/benchmarks.md). Nothing here measures; everything here can be re-run on a saved
  * latest.json (`npm run bench -- --report-only`).
  */
@@ -104,7 +104,7 @@ export function runIssues (workload: Workload, guarded: boolean, run: Pick<RunRe
   return issues
 }
 
-// ------------------------------------------------------------------------------------------ bars
+// --------------------------------------------------------------------------------------- targets
 
 /** How far below the bare route an unflagged route may measure and still count as "at its speed". */
 export const NOISE_ALLOWANCE = 0.03
@@ -148,8 +148,8 @@ export function evaluateBars (summary: Summary[]): BarResult[] {
     const clear = enough && (q1 >= spec.threshold || q3 < spec.threshold)
     const notes = [
       clear
-        ? 'clear: the middle half of the rounds is on this side of the bar'
-        : enough ? 'undecided: the middle half of the rounds straddles the bar' : `undecided: ${s.ratio.perRound.length} rounds are too few to call`,
+        ? 'clear: the middle half of the rounds is on this side of the target'
+        : enough ? 'undecided: the middle half of the rounds straddles the target' : `undecided: ${s.ratio.perRound.length} rounds are too few to call`,
       `rounds' middle half ${q1.toFixed(2)}–${q3.toFixed(2)}`
     ]
     let met = value >= spec.threshold
@@ -239,7 +239,7 @@ export function markdownTable (results: BenchResults): string {
 }
 
 function barsTable (results: BenchResults): string {
-  const lines = ['| Bar | Throughput ratio (median of rounds) | Threshold | Met | CPU-based ratio (cross-check) |', '|---|---:|---:|---|---:|']
+  const lines = ['| Target | Throughput ratio (median of rounds) | Threshold | Met | CPU-based ratio (cross-check) |', '|---|---:|---:|---|---:|']
   for (const bar of results.bars) {
     const value = bar.value === null ? '—' : `${bar.value.toFixed(3)} × ${bar.against}`
     const met = bar.met === null ? 'not measured' : bar.met ? '**met**' : '**missed**'
@@ -326,7 +326,7 @@ function conditions (results: BenchResults): string {
   const busy = median(loads) > cores
   return `**Conditions**: ${parts.join('; ')}.` + (busy
     ? ' The load counts the benchmark\'s own processes (load generator, server and store share the cores), and it was above the core count, so single runs swing widely; the paired medians absorb part of it, ' +
-      'and a bar is called *clear* only when the middle half of its rounds (5 rounds at least) lies on one side of it.'
+      'and a target is called *clear* only when the middle half of its rounds (5 rounds at least) lies on one side of it.'
     : '')
 }
 
@@ -342,7 +342,7 @@ export function latestMarkdown (results: BenchResults): string {
     '',
     markdownTable(results),
     '',
-    '## Bars',
+    '## Targets',
     '',
     barsTable(results),
     '',
@@ -396,7 +396,7 @@ export function chartSvg (results: BenchResults): string {
   out.push('<text x="12" y="22" font-size="15" font-weight="600">fastify-idempotency: throughput relative to each scenario\'s floor or baseline</text>')
   const m = results.machine
   out.push(`<text x="12" y="40" fill="#4b5563">Median of ${results.settings.rounds} interleaved rounds (${results.mode} mode), ratios paired by round; ${escapeXml(m.cpuModel)}, ${m.cores} cores, Node ${escapeXml(m.node)}; ${results.generatedAt.slice(0, 10)}</text>`)
-  out.push('<text x="12" y="56" fill="#4b5563">Blue: fastify-idempotency. Grey: peers. Red: incorrect (handler ran twice, or wrong answers). ✓/✗: the contract\'s bar for that row (undecided: its rounds straddle it).</text>')
+  out.push('<text x="12" y="56" fill="#4b5563">Blue: fastify-idempotency. Grey: peers. Red: incorrect (handler ran twice, or wrong answers). ✓/✗: the target for that row (undecided: its rounds straddle it).</text>')
   // reference lines
   const plotTop = top - 8
   const plotBottom = height - 52
@@ -407,7 +407,7 @@ export function chartSvg (results: BenchResults): string {
   }
   out.push(`<line x1="${labelWidth}" y1="${plotTop}" x2="${labelWidth}" y2="${plotBottom}" stroke="#111827"/>`)
   out.push(`<text x="${labelWidth}" y="${plotBottom + 14}" text-anchor="middle" fill="#374151">0</text>`)
-  out.push(`<text x="${labelWidth + plotWidth / 2}" y="${plotBottom + 40}" text-anchor="middle" fill="#374151">throughput ÷ baseline, paired by round (1.00 = as fast as the floor or baseline; bars past ${scaleMax.toFixed(1)} are cut, marked →)</text>`)
+  out.push(`<text x="${labelWidth + plotWidth / 2}" y="${plotBottom + 40}" text-anchor="middle" fill="#374151">throughput ÷ baseline, paired by round (1.00 = as fast as the floor or baseline; values past ${scaleMax.toFixed(1)} are cut, marked →)</text>`)
   let y = top
   let current: Workload | null = null
   for (const { workload, s } of rows) {
@@ -428,7 +428,7 @@ export function chartSvg (results: BenchResults): string {
     let markColor = '#111827'
     if (bar !== undefined && bar.met !== null) {
       const undecided = bar.clear ? '' : ', undecided'
-      mark = bar.met ? ` ✓ (bar ${bar.threshold.toFixed(2)}${undecided})` : ` ✗ (bar ${bar.threshold.toFixed(2)}${undecided})`
+      mark = bar.met ? ` ✓ (target ${bar.threshold.toFixed(2)}${undecided})` : ` ✗ (target ${bar.threshold.toFixed(2)}${undecided})`
       markColor = bar.met ? COLORS.met : COLORS.missed
     }
     const suffix = s.correct === false ? ' incorrect' : ''
@@ -448,7 +448,7 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
   const met = results.bars.filter((b) => b.met === true)
   const peersBehind = results.peers.filter((p) => p.ahead === false)
   const verdict = [
-    `Of the contract's ${results.bars.length} performance bars, **${met.length} ${met.length === 1 ? 'is' : 'are'} met and ${missed.length} missed** in this run` +
+    `Of the ${results.bars.length} performance targets, **${met.length} ${met.length === 1 ? 'is' : 'are'} met and ${missed.length} missed** in this run` +
       (missed.length > 0 ? ` (missed: ${missed.map((b) => `${b.scenario} ${b.workload} at ${b.value?.toFixed(2)} against ${b.threshold.toFixed(2)}${b.clear ? '' : ', undecided'}`).join('; ')})` : '') +
       (met.some((b) => !b.clear) ? `; of those met, ${met.filter((b) => !b.clear).map((b) => `${b.scenario} ${b.workload}`).join(', ')} within the noise` : '') + '.',
     peersBehind.length === 0
@@ -461,16 +461,17 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
     '',
     '![Throughput of each scenario relative to its floor or baseline](benchmark-chart.svg)',
     '',
-    `*${settingsLine(results)}. Figures: [bench/results/latest.json](../bench/results/latest.json), [latest.md](../bench/results/latest.md).*`,
+    `*${settingsLine(results)}. Every figure of the run is in \`bench/results/latest.json\` of the repository's checkout where it ran.*`,
     '',
     ...verdict,
     '',
     conditions(results),
     '',
-    '## The bars',
+    '## Targets',
     '',
-    'From the product contract (section 5), each evaluated on this run\'s medians. "Within noise" for the unflagged route is taken as ' +
-      `at least ${(1 - NOISE_ALLOWANCE).toFixed(2)} of the bare route; a scenario that ran a handler twice or answered wrongly misses its bar whatever its speed.`,
+    'What the plugin aims at: each store against the least work any idempotency layer on it must do (its floor), evaluated on this run\'s medians. ' +
+      '"Within noise" for the unflagged route is taken as ' +
+      `at least ${(1 - NOISE_ALLOWANCE).toFixed(2)} of the bare route; a scenario that ran a handler twice or answered wrongly misses its target whatever its speed.`,
     '',
     barsTable(results),
     '',
@@ -497,13 +498,13 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
       'Within a workload, each baseline runs next to the scenarios measured against it, and the order rotates from round to round. ' +
       'A ratio divides a scenario\'s throughput by its baseline\'s in the same round and workload; the figures are medians over rounds.',
     '- **CPU-based ratio**: the server process\'s own CPU time per response (`process.cpuUsage()` over the measured part), the baseline\'s divided by the scenario\'s. ' +
-      'Throughput is what the bars are about, but on a machine where other processes take turns on the cores it moves with them; CPU per request moves less ' +
+      'Throughput is what the targets are about, but on a machine where other processes take turns on the cores it moves with them; CPU per request moves less ' +
       '(under heavy load it moves too: a starved server handles more requests per wake-up), so it is shown as a cross-check. It leaves out what Redis or PostgreSQL spend, which on a shared 2-core box also costs throughput: ' +
       'for the Redis scenarios, Redis\'s own CPU time per response (`INFO cpu` before and after the measured part) is shown beside it.',
     '- **Workloads**: REPLAY (one stored key), NEW (a fresh key per request), MIXED (9 in 10 requests replay, the 10th is fresh), ' +
       `CONFLICT (all connections on one key that changes every ${CONFLICT_KEY_PERIOD_MS} ms, handler taking ${CONFLICT_HANDLER_MS} ms).`,
     '- **Baselines and floors**: the bare Fastify route (for the plugin on memory, the unflagged route and the memory peer); ' +
-      'the Redis floor, a plain Fastify route that spends only the round trips the contract calls unavoidable: one `GET` for a replay (REPLAY, and the replays of MIXED) ' +
+      'the Redis floor, a plain Fastify route that spends only the round trips no idempotency store can avoid: one `GET` for a replay (REPLAY, and the replays of MIXED) ' +
       'and two round trips (`SET NX PX`, handler, `SET PX`) for a fresh key, on ioredis with `enableAutoPipelining: true`. ' +
       '`RedisStorage` uses a client with the same setting. ' +
       'For each SQL database a floor through the same knex client and default pool: one primary-key `SELECT` for a replay, `INSERT` (takes the key), handler, `UPDATE` (stores the response) for a fresh key; ' +
@@ -516,7 +517,7 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
       '(with `onResponse` called only for the request that was let through, which spares it a write on replays); `express-idempotency` with its default ' +
       'in-memory adapter on Express 5, the route checking `isHit(req)` first as its README says.',
     '- **The machine**: load generator, server, Redis, PostgreSQL and MariaDB share its cores, as they would on a small box; the ratios compare scenarios that pay the same tax. ' +
-      'Quick mode is for a fast look: its runs are short and its 3 rounds decide no bar on their own; the bars are read on a full run.',
+      'Quick mode is for a fast look: its runs are short and its 3 rounds decide no target on their own; the targets are read on a full run.',
     '',
     '## All figures',
     '',
@@ -540,7 +541,7 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
     'npm run bench -- --quick   # 3 shorter rounds, 100,000 requests for the memory check: under 3 minutes',
     '```',
     '',
-    'See [bench/README.md](../bench/README.md) for the options, profiling, and how to read the output.',
+    'In a clone of the repository. `bench/README.md` there has the options, profiling, and how to read the output.',
     ''
   ].join('\n')
 }

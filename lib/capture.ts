@@ -97,10 +97,16 @@ export interface StreamCapture {
   holdEndUntil: (settled: Promise<unknown>) => void
 }
 
-/** Pass a stream through unchanged while keeping a copy of up to `maxBytes` of it. */
-export function captureStream (source: Readable, maxBytes: number): StreamCapture {
+/**
+ * Pass a stream through unchanged while keeping a copy of up to `maxBytes` of it. `length`: the
+ * response's Content-Length, whose client has the whole answer with its last byte, before the end:
+ * the chunk that completes it waits for the end's gate too.
+ */
+export function captureStream (source: Readable, maxBytes: number, length = Number.NaN): StreamCapture {
   let chunks: Buffer[] | null = []
   let size = 0
+  let sent = 0
+  let last: Buffer | undefined
   let resolveCaptured!: (captured: Captured) => void
   let done = false
   const captured = new Promise<Captured>((resolve) => { resolveCaptured = resolve })
@@ -123,11 +129,18 @@ export function captureStream (source: Readable, maxBytes: number): StreamCaptur
           chunks.push(chunk)
         }
       }
-      callback(null, chunk)
+      sent += chunk.length
+      if (sent < length || Number.isNaN(length)) {
+        callback(null, chunk)
+        return
+      }
+      const held = last
+      last = chunk
+      callback(null, held)
     },
     flush (callback) {
       finish(chunks === null ? { body: null, reason: 'too-large' } : { body: Buffer.concat(chunks, size) })
-      gate.then(() => callback(), () => callback())
+      gate.then(() => callback(null, last), () => callback(null, last))
     }
   })
   tee.once('close', () => { finish({ body: null, reason: 'interrupted' }) })

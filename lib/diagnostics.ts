@@ -21,8 +21,9 @@ export type IdempotencyOutcome =
   /** The store failed; `phase` says where, `failOpen` whether the handler ran anyway. */
   | 'store-error'
   /**
-   * With encryption on, a stored entry could not be opened (altered, sealed with a key no longer
-   * configured, or not sealed): refused with 409, the handler not run.
+   * What is stored under the key could not be read or compared: with encryption on, an entry that
+   * does not open (altered, sealed with a key no longer configured, or not sealed); an entry or a
+   * fingerprint of another version's format. Refused with 409, the handler not run.
    */
   | 'unreadable'
   /** A recovery point's function ran and its result was recorded; `step` names it. */
@@ -45,11 +46,14 @@ export interface IdempotencyEvent {
   stored?: boolean
   /** Stored without its body (too large, a hijacked reply): the outcome only. */
   bodyOmitted?: boolean
-  /** Why an executed request's response was not stored. */
-  reason?: 'failed' | 'not-cacheable' | 'too-large' | 'interrupted' | 'hijacked' | 'lease-lost' | 'store-error'
+  /** Why an executed request's response was not stored; `declined`: the route's `storeIf` returned false. */
+  reason?: 'failed' | 'not-cacheable' | 'declined' | 'too-large' | 'interrupted' | 'hijacked' | 'lease-lost' | 'store-error'
   waitedMs?: number
-  /** Where it happened; `max-hold`: renewal stopped because the request held its key for `maxLockHold`. */
-  phase?: 'begin' | 'complete' | 'release' | 'renew' | 'max-hold'
+  /**
+   * Where it happened; `max-hold`: renewal stopped because the request held its key for
+   * `maxLockHold`; `close`: the app closed before the request's response was stored.
+   */
+  phase?: 'begin' | 'complete' | 'release' | 'renew' | 'max-hold' | 'close'
   failOpen?: boolean
   error?: unknown
   /** The recovery point's name (step-run, step-replay). */
@@ -65,3 +69,45 @@ const outcomes: readonly IdempotencyOutcome[] = ['execute', 'replay', 'mismatch'
 export const channels = Object.fromEntries(
   outcomes.map((outcome) => [outcome, diagnostics.channel(`${CHANNEL_PREFIX}${outcome}`)])
 ) as Record<IdempotencyOutcome, diagnostics.Channel>
+
+/** An operation on stored keys, through `fastify.idempotency` or the `fastify-idempotency` command (docs/operations.md). */
+export type IdempotencyOperation = 'inspect' | 'forget' | 'in-flight' | 'purge'
+
+/** What an operation reports, for an audit: who did what to which key, and how it ended. */
+export interface IdempotencyOperationEvent {
+  operation: IdempotencyOperation
+  /** Who asked: the call's `actor` option, or the command's user; `null` when nobody said. */
+  actor: string | null
+  /** Where from: `'app'` (`fastify.idempotency`) or `'command'`. */
+  via: 'app' | 'command'
+  /** The storage class, e.g. `RedisStorage`. */
+  store: string
+  /** inspect, forget: the client's key, as the operator gave it (unquoted). */
+  idempotencyKey?: string
+  /** inspect, forget: the scope given, or `null`. */
+  scope?: string | null
+  /** inspect: what was found; `body`: whether the body was read. */
+  state?: 'absent' | 'in-flight' | 'stored'
+  body?: boolean
+  /** forget: whether a key in flight was to be removed too. */
+  force?: boolean
+  /** forget: `forgotten` or `refused`; what was under the key; how many recovery-point records went. */
+  outcome?: 'forgotten' | 'refused'
+  previous?: 'absent' | 'in-flight' | 'stored'
+  recoveryPoints?: number
+  /** in-flight: how many leases were listed, and whether that is all of them. */
+  listed?: number
+  complete?: boolean
+  /** purge: how many expired entries went. */
+  purged?: number
+  /** The operation failed (the store is down, say), or the store does not offer it. */
+  error?: unknown
+  durationMs: number
+}
+
+const operations: readonly IdempotencyOperation[] = ['inspect', 'forget', 'in-flight', 'purge']
+
+/** One channel per operation: `fastify-idempotency:operation:<operation>`. */
+export const operationChannels = Object.fromEntries(
+  operations.map((operation) => [operation, diagnostics.channel(`${CHANNEL_PREFIX}operation:${operation}`)])
+) as Record<IdempotencyOperation, diagnostics.Channel>

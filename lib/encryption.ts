@@ -17,6 +17,7 @@
  */
 import { createCipheriv, createDecipheriv, createHmac, randomBytes } from 'node:crypto'
 import type { StoredResponse } from './storage/types.js'
+import { UnreadableEntryError } from './storage/unreadable-entry.js'
 
 export interface EncryptionOptions {
   /**
@@ -44,9 +45,6 @@ const IV_BYTES = 12
 const TAG_BYTES = 16
 const HEADER_BYTES = 1 + KEY_ID_BYTES + IV_BYTES + TAG_BYTES
 const KEY_BYTES = 32
-
-/** A stored entry that cannot be opened: tampered with, sealed with a key no longer configured, or not sealed. */
-export class UnreadableEntryError extends Error {}
 
 interface Meta {
   /** Content type. */

@@ -38,8 +38,8 @@ export abstract class IdempotencyError extends Error {
 
   constructor (message: string, statusCode: number, idempotencyKey: string | undefined, headers: Record<string, string> = {}, options?: ErrorOptions) {
     // A 4xx reports the client's request, not a fault in code: its stack would only point into
-    // the plugin's own hooks, and capturing one costs more than the rest of a refusal (see
-    // bench/analysis.md). A 503 keeps its stack.
+    // the plugin's own hooks, and capturing one costs more than the rest of a refusal (6.5
+    // against 1.0 µs: docs/benchmarks.md#measurements-behind-the-design). A 503 keeps its stack.
     const stackTraceLimit = Error.stackTraceLimit
     if (statusCode < 500) Error.stackTraceLimit = 0
     try {
@@ -97,17 +97,35 @@ export class IdempotencyKeyInvalidError extends IdempotencyError {
   }
 }
 
-/** The request could not be fingerprinted (say, JSON nested too deeply to canonicalize). */
+/** The request body is nested too deeply to be fingerprinted (more than 1,000 levels). */
 export class IdempotencyFingerprintError extends IdempotencyError {
   static override readonly type = `${PROBLEM_TYPE_BASE}#fingerprint-failed`
   static override readonly title = 'Idempotency fingerprint failed'
   readonly code = 'FST_IDEMPOTENCY_FINGERPRINT_FAILED'
 
-  /** `nestedTooDeeply`: the body is nested too deeply to canonicalize; otherwise it holds a value that cannot be. */
-  constructor (idempotencyKey: string, cause: unknown, nestedTooDeeply = true) {
-    super(nestedTooDeeply
-      ? 'The request body could not be fingerprinted: it is nested too deeply. Simplify it or send it without an Idempotency-Key.'
-      : 'The request body could not be fingerprinted: it holds a value that has no canonical form. Send it without an Idempotency-Key.', 400, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+  constructor (idempotencyKey: string, cause: unknown) {
+    super('The request body could not be fingerprinted: it is nested too deeply. Simplify it or send it without an Idempotency-Key.', 400, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+  }
+}
+
+/**
+ * The body as the server's own parser or hooks made it holds a value that has no canonical form
+ * (an instance of a class without `toJSON`), or that threw when read (a getter): a fault of the
+ * server, not of the request. `route` and `path` (a JSON Pointer into the body) say where.
+ */
+export class IdempotencyFingerprintUnsupportedError extends IdempotencyError {
+  static override readonly type = `${PROBLEM_TYPE_BASE}#fingerprint-unsupported`
+  static override readonly title = 'Idempotency fingerprint unsupported'
+  readonly code = 'FST_IDEMPOTENCY_FINGERPRINT_UNSUPPORTED'
+  /** The route, as `METHOD /url`. */
+  readonly route: string
+  /** Where in the body the value is, as a JSON Pointer (`''` for the body itself). */
+  readonly path: string
+
+  constructor (idempotencyKey: string, route: string, path: string, reason: string, cause: unknown) {
+    super(`The server cannot fingerprint the body of route ${route}: ${reason}. This is a fault in the server, not in the request.`, 500, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+    this.route = route
+    this.path = path
   }
 }
 
@@ -139,10 +157,42 @@ export class IdempotencyStoreUnavailableError extends IdempotencyError {
 }
 
 /**
- * With encryption on, the entry stored under this key cannot be opened: it was altered, sealed
- * with a key that is no longer configured, or stored unsealed. Nothing is replayed and the
- * handler does not run (the operation may well have happened); the key stays refused until the
- * entry expires.
+ * The app is closing: the request reached a guarded route after `app.close()` began (possible with
+ * `return503OnClosing: false`, or for a request still being read when it began), so it took no
+ * key and did not run. Another instance, or this one restarted, serves its retry.
+ */
+export class IdempotencyServerClosingError extends IdempotencyError {
+  static override readonly type = `${PROBLEM_TYPE_BASE}#server-closing`
+  static override readonly title = 'Idempotency server closing'
+  readonly code = 'FST_IDEMPOTENCY_SERVER_CLOSING'
+
+  constructor (idempotencyKey: string) {
+    super('The server is shutting down, so the request was not processed; retry it.', 503, idempotencyKey, retryAfterHeaders(1))
+  }
+}
+
+/**
+ * The route's `scope` could not say whose request this is: it found no caller in a request that
+ * carries credentials, or returned something that is not a caller's id. Nothing was run or
+ * stored; the log says which route and why (the client is not told: it is the server's doing).
+ */
+export class IdempotencyScopeError extends IdempotencyError {
+  static override readonly type = `${PROBLEM_TYPE_BASE}#scope-unresolved`
+  static override readonly title = 'Idempotency scope unresolved'
+  readonly code = 'FST_IDEMPOTENCY_SCOPE_UNRESOLVED'
+
+  constructor (idempotencyKey: string) {
+    super('The server could not tell which caller this request belongs to, so it did not process it.', 500, idempotencyKey, { ...DO_NOT_RETRY })
+  }
+}
+
+/**
+ * What is stored under this key cannot be read or compared by this server: with encryption on, an
+ * entry that was altered, sealed with a key that is no longer configured, or stored unsealed; on
+ * any store, an entry or a fingerprint of a format version this version of the plugin does not
+ * know, or one made under options this request cannot be compared under. Nothing is replayed and
+ * the handler does not run (the operation may well have happened); the key stays refused until
+ * the entry expires, and the entry is left as it is.
  */
 export class IdempotencyStoredResponseUnreadableError extends IdempotencyError {
   static override readonly type = `${PROBLEM_TYPE_BASE}#stored-response-unreadable`
@@ -150,7 +200,7 @@ export class IdempotencyStoredResponseUnreadableError extends IdempotencyError {
   readonly code = 'FST_IDEMPOTENCY_STORED_RESPONSE_UNREADABLE'
 
   constructor (idempotencyKey: string, cause: unknown) {
-    super('The response stored for this Idempotency-Key cannot be read, so it is not replayed and the request was not processed again; use a new key only if you know the first request did not take effect.', 409, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+    super('What is stored for this Idempotency-Key cannot be read by this server, so nothing is replayed and the request was not processed again; use a new key only if you know the first request did not take effect.', 409, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
   }
 }
 

@@ -5,23 +5,29 @@
  * Unambiguous: every part is written as a type letter, its byte length and its bytes, so no two
  * different requests can produce the same byte stream. Versioned: the stream starts with a tag
  * naming the encoding version and the enabled option set, so two routes (or two deployments)
- * fingerprinting differently never produce equal fingerprints for the same request.
+ * fingerprinting differently never produce equal fingerprints for the same request. What the
+ * store keeps is a record of the digest with its version and option set (fingerprint-record.ts).
+ *
+ * Version 2 (this one) fingerprints the body as it arrived (request-fingerprint.ts), writes every
+ * value JSON cannot hold as a token of its own (canonical-value.ts), and says what a member
+ * selection selected from what. Version 1 (0.1.0) is still computed, with `legacy`, to compare a
+ * request with the entries that version stored.
  */
 import { createHash, hash } from 'node:crypto'
-import canonicalizeModule from 'canonicalize'
 import type { FastifyRequest } from 'fastify'
-import { canonicalValue } from './canonical-value.js'
+import { canonicalValue, IncomparableValueError, isPlainObject } from './canonical-value.js'
 
 /** Which parts of a request make up its fingerprint. Plain data, validated at register time. */
 export interface FingerprintOptions {
   /**
-   * The request body (default `true`). JSON bodies are canonicalized (RFC 8785: key order and
-   * white space do not matter); other bodies count by their bytes; a body another parser made
-   * (a form, multipart with `attachFieldsToBody`) by a canonical form of its value, file bytes
-   * included. An object selects JSON members by JSON Pointer (RFC 6901): `include` fingerprints
-   * only those, `exclude` all but those. `'raw'` hashes the request's bytes as they came over the
-   * wire, before any parser: for uploads read by the handler (multipart in stream mode) and
-   * custom parsers.
+   * The request body (default `true`), as it arrived: before schema validation coerces, fills
+   * in or transforms it. JSON bodies are canonicalized (RFC 8785: key order and white space do
+   * not matter); other bodies count by their bytes; a body another parser made (a form, multipart
+   * with `attachFieldsToBody`) by a canonical form of its value, file bytes included; a stream
+   * (a proxy's) by its bytes. An object selects JSON members by JSON Pointer (RFC 6901):
+   * `include` fingerprints only those, `exclude` all but those. `'raw'` hashes the request's bytes
+   * as they came over the wire, before any parser: for uploads read by the handler (multipart in
+   * stream mode) and custom parsers.
    */
   body?: boolean | 'raw' | { include?: string[], exclude?: string[] }
   /** The HTTP method (default `false`). */
@@ -48,16 +54,18 @@ export interface FingerprintSettings {
   query: boolean
   contentType: boolean
   headers: string[]
-  /** Version and option set, hashed first. */
-  tag: string
-  /** `tag` as its encoded part, computed once. */
+  /** The option set as the record carries it: JSON of the options that differ from the defaults. */
+  options: string
+  /** The encoding version and the option set, as the first encoded part. */
   tagPart: string
+  /** The same, as version 1 wrote it. */
+  legacyTagPart: string
 }
 
-// A CommonJS module typed with `export default`: under Node its default import is the function.
-const canonicalize = canonicalizeModule as unknown as (input: unknown) => string | undefined
+/** The encoding version a new fingerprint is written in. */
+export const FINGERPRINT_VERSION = 2
 
-const VERSION = 'fastify-idempotency/fingerprint/v1'
+const TAG = ['fastify-idempotency/fingerprint/v1', 'fastify-idempotency/fingerprint/v2']
 
 /** RFC 6901: '/a~1b/c~0d' -> ['a/b', 'c~d']. Pointers are checked by the options schema. */
 function parsePointer (pointer: string): string[] {
@@ -80,9 +88,23 @@ export function normalizeFingerprint (options: FingerprintOptions = {}): Fingerp
     contentType: options.contentType ?? false,
     headers
   }
-  // `raw` only when set, so the tags (and fingerprints) of every other option set stay as they were.
-  const tag = JSON.stringify([VERSION, settings.raw ? 'raw' : settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, headers])
-  return { ...settings, tag, tagPart: `t${Buffer.byteLength(tag)}:${tag}` }
+  // Only what differs from the defaults, in a fixed order: one option set, one text.
+  const described: FingerprintOptions = {}
+  if (bodyOption !== true) described.body = include !== null ? { include } : exclude !== null ? { exclude } : bodyOption
+  for (const name of ['method', 'path', 'query', 'contentType'] as const) if (settings[name]) described[name] = true
+  if (headers.length > 0) described.headers = headers
+  return {
+    ...settings,
+    options: JSON.stringify(described),
+    tagPart: tagPart(settings, include, exclude, FINGERPRINT_VERSION),
+    legacyTagPart: tagPart(settings, include, exclude, 1)
+  }
+}
+
+function tagPart (settings: Omit<FingerprintSettings, 'options' | 'tagPart' | 'legacyTagPart'>, include: string[] | null, exclude: string[] | null, version: number): string {
+  // `raw` only when set, so the tags of version 1's other option sets stay as they were.
+  const tag = JSON.stringify([TAG[version - 1], settings.raw ? 'raw' : settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, settings.headers])
+  return `t${Buffer.byteLength(tag)}:${tag}`
 }
 
 /**
@@ -116,66 +138,113 @@ class Encoder {
   }
 }
 
-/** The value at a pointer, or `undefined` when the path does not exist. */
-function valueAt (document: unknown, tokens: string[]): unknown {
-  let node = document
-  for (const token of tokens) {
-    if (node === null || typeof node !== 'object' || !Object.hasOwn(node, token)) return undefined
-    node = (node as Record<string, unknown>)[token]
-  }
-  return node
+/**
+ * The body's part of the stream: its type letter and data. `n` no body; `r` its bytes; `R` the
+ * hash of its raw bytes; `j` the canonical text of its value; `s` (version 2) of the members it
+ * selects.
+ */
+export type BodyPart = readonly [type: 'n' | 'r' | 'R' | 'j' | 's', data: string | Buffer]
+
+const NO_BODY: BodyPart = ['n', '']
+
+/** The body as it arrived, before validation: its part under the route's options (`null` when it counts otherwise), and the value. */
+export interface ArrivedBody {
+  readonly part: BodyPart | null
+  readonly value: unknown
 }
 
-/** A copy of `document` without the member at `tokens`, copying only the objects on the path. */
-function without (document: unknown, tokens: string[]): unknown {
-  if (tokens.length === 0) return undefined
+const JSON_TYPE = /^application\/(?:[\w.+-]+\+)?json\b/i
+
+/** The part `body` (a value some parser made, or the raw bytes' hash) makes under `settings`. */
+export function bodyPart (body: unknown, contentType: string | undefined, settings: FingerprintSettings, legacy = false): BodyPart {
+  const json = contentType !== undefined && JSON_TYPE.test(contentType)
+  if (body === undefined) return NO_BODY
+  // Bytes as received: a text or binary body, or whatever a custom parser left as a Buffer. A
+  // JSON string body counts by its value, so it differs from the same text as text/plain.
+  if (Buffer.isBuffer(body) || (typeof body === 'string' && !json)) return ['r', body]
+  const mode = legacy ? (json ? 'json' : 'value') : null
+  if (settings.include !== null) {
+    const selection = legacy ? legacySelection(body, settings.include) : selectMembers(body, settings.include)
+    if (selection !== null) return [legacy ? 'j' : 's', canonicalValue(selection, mode)]
+  }
+  const document = settings.exclude === null ? body : settings.exclude.reduce<unknown>((value, tokens) => without(value, tokens, legacy), body)
+  return ['j', canonicalValue(document, mode)]
+}
+
+/** The hash of the raw body as a body part. */
+export function rawBodyPart (digest: string): BodyPart {
+  return ['R', digest]
+}
+
+function isContainer (value: unknown): value is Record<string, unknown> | unknown[] {
+  return value !== null && typeof value === 'object' && (Array.isArray(value) || isPlainObject(value))
+}
+
+const INDEX = /^(?:0|[1-9]\d*)$/
+
+/**
+ * Each pointer's slot: `[kinds, value]` when the member is there, where `kinds` names each
+ * container on the way (`o` object, `a` array), so `{"0":5}` and `[5]` differ; `[]` when it is
+ * not. `null` when no pointer selects anything: the body then counts whole, so bodies of another
+ * shape (`[1]`, `"a"`) never all look alike.
+ */
+function selectMembers (body: unknown, pointers: string[][]): unknown[] | null {
+  let found = false
+  const slots = pointers.map((tokens) => {
+    let node = body
+    let kinds = ''
+    for (const token of tokens) {
+      if (!isContainer(node)) return []
+      const array = Array.isArray(node)
+      if (array ? !INDEX.test(token) || Number(token) >= (node as unknown[]).length : !Object.hasOwn(node, token)) return []
+      kinds += array ? 'a' : 'o'
+      node = (node as Record<string, unknown>)[token]
+    }
+    found = true
+    return [kinds, node]
+  })
+  return found ? slots : null
+}
+
+/**
+ * Version 1's selection: `[value]` or `[]` per pointer. It said nothing about the body's shape,
+ * so a request whose selection is empty, or whose body is not an object, cannot be compared.
+ */
+function legacySelection (body: unknown, pointers: string[][]): unknown[] {
+  if (!isContainer(body) || Array.isArray(body)) throw new IncomparableValueError('a selection from a body that is not an object')
+  const slots = pointers.map((tokens) => {
+    let node: unknown = body
+    for (const token of tokens) {
+      if (node === null || typeof node !== 'object' || !Object.hasOwn(node, token)) return []
+      node = (node as Record<string, unknown>)[token]
+    }
+    return [node]
+  })
+  if (slots.every((slot) => slot.length === 0)) throw new IncomparableValueError('an empty selection')
+  return slots
+}
+
+/** A copy of `document` without the member at `tokens` (at least one), copying only the objects on the path. */
+function without (document: unknown, tokens: string[], legacy: boolean): unknown {
   if (document === null || typeof document !== 'object') return document
+  // A pointer addresses members of objects and arrays: a Map or a class instance is left whole.
+  if (!isContainer(document)) {
+    if (legacy) throw new IncomparableValueError('a selection inside an object that is not plain')
+    return document
+  }
   const [head, ...rest] = tokens as [string, ...string[]]
   if (!Object.hasOwn(document, head)) return document
   if (Array.isArray(document)) {
     const copy = [...document]
     // An excluded element becomes null rather than disappearing, so its siblings keep their indexes.
     if (rest.length === 0) copy[Number(head)] = null
-    else copy[Number(head)] = without(copy[Number(head)], rest)
+    else copy[Number(head)] = without(copy[Number(head)], rest, legacy)
     return copy
   }
-  const copy: Record<string, unknown> = { ...(document as Record<string, unknown>) }
+  const copy: Record<string, unknown> = { ...document }
   if (rest.length === 0) delete copy[head]
-  else copy[head] = without(copy[head], rest)
+  else copy[head] = without(copy[head], rest, legacy)
   return copy
-}
-
-function selectMembers (body: unknown, settings: FingerprintSettings): unknown {
-  if (settings.include !== null) {
-    // Each selected pointer keeps its own slot, so a member moving between pointers changes the result.
-    return settings.include.map((tokens) => {
-      const value = valueAt(body, tokens)
-      return value === undefined ? [] : [value]
-    })
-  }
-  if (settings.exclude !== null) {
-    return settings.exclude.reduce<unknown>((document, tokens) => without(document, tokens), body)
-  }
-  return body
-}
-
-const JSON_TYPE = /^application\/(?:[\w.+-]+\+)?json\b/i
-
-function writeBody (out: Encoder, body: unknown, contentType: string | undefined, settings: FingerprintSettings): void {
-  const json = contentType !== undefined && JSON_TYPE.test(contentType)
-  if (body === undefined) {
-    out.raw('n')
-  } else if (Buffer.isBuffer(body) || (typeof body === 'string' && !json)) {
-    // Bytes as received: a text or binary body, or whatever a custom parser left as a Buffer.
-    out.part('r', body)
-  } else if (json) {
-    // A parsed JSON value (a JSON string body included, so it differs from the same text as text/plain).
-    out.part('j', canonicalize(selectMembers(body, settings)) ?? '')
-  } else {
-    // Another parser's value: the same text as canonicalize for what JSON can hold (so a form body
-    // fingerprints as it always did), and cycles, Buffers and streams handled.
-    out.part('j', canonicalValue(selectMembers(body, settings)))
-  }
 }
 
 function writeQuery (out: Encoder, url: string): void {
@@ -205,20 +274,22 @@ function writeHeader (out: Encoder, value: string | string[] | undefined): void 
   }
 }
 
-/** `rawBody`: the hash of the raw body bytes (raw-body.ts), with `body: 'raw'` or for a body no parser read. */
-export function computeFingerprint (request: FastifyRequest, settings: FingerprintSettings, rawBody?: string): string {
+/**
+ * The digest of a request under `settings`: `body` is the body's part (`null` when the options
+ * leave the body out); `legacy` computes it as version 1 did.
+ */
+export function fingerprintDigest (request: FastifyRequest, settings: FingerprintSettings, body: BodyPart | null, legacy = false): string {
   const out = new Encoder()
-  out.raw(settings.tagPart)
+  out.raw(legacy ? settings.legacyTagPart : settings.tagPart)
   if (settings.method) out.part('m', request.method)
   if (settings.path) {
     const mark = request.url.indexOf('?')
     out.part('p', mark === -1 ? request.url : request.url.slice(0, mark))
   }
   if (settings.query) writeQuery(out, request.url)
-  const contentType = request.headers['content-type']
-  if (settings.contentType) writeHeader(out, contentType?.trim().toLowerCase())
+  if (settings.contentType) writeHeader(out, request.headers['content-type']?.trim().toLowerCase())
   for (const name of settings.headers) writeHeader(out, request.headers[name])
-  if (rawBody !== undefined) out.part('R', rawBody)
-  else if (settings.body) writeBody(out, request.body, contentType, settings)
+  if (body === NO_BODY) out.raw('n')
+  else if (body !== null) out.part(body[0], body[1])
   return out.digest()
 }

@@ -4,26 +4,29 @@
  * HTTP into its inputs and its outcomes back into HTTP:
  *
  *   onRequest   read and validate the key (400 before anything else happens)
+ *   preValidation  (a route with a body schema) the body as it arrived, before validation
  *   preHandler  fingerprint, scope, then `acquire`: replay, refuse, or run the handler
  *   onSend      capture the response, then `settle`: store it, or give the key back
+ *   onError     a refusal's retry headers go on the reply; a failed request is never stored
  *   'close'     a hijacked reply, which never reaches onSend, is settled there
  *
  * Hooks are created per route from that route's settings, so nothing here looks options up.
  */
-import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler } from 'fastify'
-import { BodyNestedTooDeeplyError } from './canonical-value.js'
+import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler, preValidationHookHandler } from 'fastify'
 import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse } from './capture.js'
 import { acquire } from './engine/acquire.js'
+import type { InFlight } from './engine/in-flight.js'
 import { RequestState } from './engine/request-state.js'
 import { createRouteEngine, type RouteEngine } from './engine/route-engine.js'
 import { settle, type NotStoredReason } from './engine/settle.js'
 import { runStep, type StepFunction } from './engine/steps.js'
 import { storageKey } from './engine/storage-key.js'
-import { IdempotencyFingerprintError, IdempotencyKeyMissingError, IdempotencyStoreUnavailableError } from './errors.js'
-import { computeFingerprint } from './fingerprint.js'
+import { IdempotencyKeyMissingError, IdempotencyStoreUnavailableError, isIdempotencyError } from './errors.js'
 import { readIdempotencyKey } from './key.js'
 import { RawBodyHash } from './raw-body.js'
+import { takeArrivedBody, takeFingerprint, unparsedBodyHash } from './request-fingerprint.js'
 import { replayResponse } from './replay.js'
+import { hasCredentials, resolveScope } from './scope.js'
 import type { PluginSettings, RouteSettings } from './options.js'
 import type { StoredResponse } from './storage/types.js'
 
@@ -71,6 +74,8 @@ type GuardedRequest = FastifyRequest & { [kState]: RequestState | null, idempote
 
 export interface RouteHooks {
   onRequest: onRequestHookHandler
+  /** For a route with a body schema: takes the body before validation changes it. */
+  preValidation: preValidationHookHandler
   preHandler: preHandlerAsyncHookHandler
   onSend: onSendHookHandler
   onError: onErrorHookHandler
@@ -93,9 +98,12 @@ interface Route {
  */
 export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTIONS'])
 
-/** `safeMethods`: the route also answers GET, HEAD or OPTIONS, whose requests are never guarded. */
-export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods = false): RouteHooks {
-  const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher)
+/**
+ * `safeMethods`: the route also answers GET, HEAD or OPTIONS, whose requests are never guarded.
+ * `inFlight`: the registration's requests in flight, which closing the app waits for.
+ */
+export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods: boolean, inFlight: InFlight): RouteHooks {
+  const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher, inFlight)
   const keyedHash = plugin.cipher === null ? undefined : (composed: string) => plugin.cipher!.hashKey(composed)
   // Warned once: a signed-in client's request on a route whose keys are shared by everyone.
   let credentialsWarned = settings.scope !== null
@@ -121,7 +129,7 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const guarded = request as GuardedRequest
     const state = new RequestState(key, request.method, request.log)
     guarded.idempotency = new RequestContext(key, engine, state)
-    if (settings.fingerprint.raw) state.rawBody = new RawBodyHash(request.raw).tap()
+    if (settings.fingerprint.raw) state.rawBody = new RawBodyHash(request.raw, request.headers['content-type']).tap()
     guarded[kState] = state
     done()
   }
@@ -130,28 +138,17 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     const guarded = request as GuardedRequest
     const state = guarded[kState]
     if (state === null) return undefined
-    // A body no parser read (multipart in stream mode, whose reader is the handler) counts by its raw bytes.
-    if (state.rawBody === null && settings.fingerprint.body && request.body === undefined && RawBodyHash.unread(request.raw)) {
-      state.rawBody = new RawBodyHash(request.raw)
-    }
+    // A body no parser made a value of (multipart in stream mode, a proxy's stream) counts by its raw bytes.
+    if (state.rawBody === null && settings.fingerprint.body) state.rawBody = unparsedBodyHash(request, state.key, url)
     const rawBody = state.rawBody === null ? undefined : await state.rawBody.digest(request.routeOptions.bodyLimit)
-    let fingerprint
-    try {
-      fingerprint = computeFingerprint(request, settings.fingerprint, rawBody)
-    } catch (error) {
-      // Canonicalizing recurses: JSON nested deep enough overflows the stack. A 400, not a 500.
-      throw new IdempotencyFingerprintError(state.key, error, error instanceof RangeError || error instanceof BodyNestedTooDeeplyError)
-    }
+    const fingerprint = takeFingerprint(request, settings.fingerprint, state, rawBody, url)
     // Without a scope there is nothing to await: no promise on the path of every request.
-    const scope = settings.scope === null ? null : await resolveScope(settings.scope, request)
+    const scope = settings.scope === null ? null : await resolveScope(settings.scope, request, state.key, url)
     if (!credentialsWarned && hasCredentials(request)) {
       credentialsWarned = true
-      request.log.warn(`fastify-idempotency: route ${url} received a request with credentials (Authorization or Cookie) and has no scope: every client's keys share one namespace, so a client that reuses another's key and body gets that client's response. Set scope, for example scope: scopeByHeader('authorization'); see docs/security.md`)
+      request.log.warn(`fastify-idempotency: route ${url} received a request with credentials (Authorization or Cookie) and has no scope: every client's keys share one namespace, so a client that reuses another's key and body gets that client's response. Set scope to the signed-in caller, read after your authentication hook, for example scope: (request) => request.user?.id; see docs/security.md`)
     }
-    if (settings.redact !== null) {
-      const redact = settings.redact
-      state.redact = (response) => redact(response, request)
-    }
+    bindRouteCallbacks(settings, state, request)
     const acquisition = await acquire(engine, state, storageKey(state.key, scope, keyedHash), fingerprint)
     switch (acquisition.outcome) {
       case 'run':
@@ -197,13 +194,32 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     done(null, payload)
   }
 
-  function onError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
+  function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void): void {
+    // A refusal's retry signals (Retry-After, Stripe-Should-Retry, X-Should-Retry) go on the reply
+    // before any error handler runs, so that whichever answers (NestJS's, an app's own mapper) sends them.
+    if (isIdempotencyError(error)) reply.headers(error.headers)
     const state = (request as GuardedRequest)[kState]
     if (state !== null) state.failed = true
     done()
   }
 
-  return { onRequest, preHandler, onSend: onSend as onSendHookHandler, onError, stop: () => { engine.renewal.stop(); engine.deadline.stop() } }
+  return { onRequest, preValidation: arrivedBodyHook(settings, url), preHandler, onSend: onSend as onSendHookHandler, onError, stop: () => { engine.renewal.stop(); engine.deadline.stop() } }
+}
+
+/** preValidation, on a route with a body schema: takes the body as it arrived, before validation changes it. */
+function arrivedBodyHook (settings: RouteSettings, url: string): preValidationHookHandler {
+  return function preValidation (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
+    const state = (request as GuardedRequest)[kState]
+    if (state !== null) {
+      try {
+        state.arrivedBody = takeArrivedBody(request, settings.fingerprint, state.key, url)
+      } catch (error) {
+        done(error as Error)
+        return
+      }
+    }
+    done()
+  }
 }
 
 /**
@@ -226,14 +242,10 @@ function handOn (reply: FastifyReply, done: (error: Error | null, payload?: unkn
   }
 }
 
-function hasCredentials (request: FastifyRequest): boolean {
-  return request.headers.authorization !== undefined || request.headers.cookie !== undefined
-}
-
-async function resolveScope (scope: (request: FastifyRequest) => string | Promise<string>, request: FastifyRequest): Promise<string> {
-  const value = await scope(request)
-  if (typeof value !== 'string') throw new TypeError('fastify-idempotency: scope(request) must return a string')
-  return value
+/** The route's own functions of the response to store (redact, storeIf), bound to this request. */
+function bindRouteCallbacks ({ redact, storeIf }: RouteSettings, state: RequestState, request: FastifyRequest): void {
+  if (redact !== null) state.redact = (response) => redact(response, request)
+  if (storeIf !== null) state.storeIf = (response) => storeIf(response, request)
 }
 
 /** The handler is about to run: hand it its transaction, and watch for a hijacked reply. */
@@ -285,7 +297,7 @@ async function settleResponse (route: Route, reply: FastifyReply, state: Request
     return payload
   }
   if (isNodeStream(payload)) {
-    const capture = captureStream(payload, settings.maxResponseBytes)
+    const capture = captureStream(payload, settings.maxResponseBytes, Number(reply.getHeader('content-length') ?? Number.NaN))
     capture.holdEndUntil(capture.captured.then(async (captured) => {
       // A stream that failed or whose client left mid-way is not an outcome: the key is freed.
       const response = captured.body !== null

@@ -5,14 +5,23 @@
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
 import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext } from './hooks.js'
+import { InFlight } from './engine/in-flight.js'
 import { documentRoute } from './openapi.js'
+import { loggerAudit } from './operations/audit.js'
+import { KeyOperations, type IdempotencyOperations } from './operations/index.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
+import { registerIn, routeName } from './registration.js'
+import { closeTimeoutOption, waitForRequestsOnClose } from './shutdown.js'
 import { MemoryStorage } from './storage/memory.js'
 
 declare module 'fastify' {
   interface FastifyContextConfig {
     /** Guard this route: `true` with the plugin's options, or per-route overrides. */
     idempotency?: boolean | IdempotencyRouteOptions
+  }
+  interface FastifyInstance {
+    /** Operations on stored keys (inspect, forget, inFlight, purge): see docs/operations.md. The first registration in scope provides it. */
+    idempotency: IdempotencyOperations
   }
   interface FastifyRequest {
     /** On a guarded route, for a request with an Idempotency-Key: its key and, in transaction mode, its transaction. Otherwise `null`. */
@@ -35,20 +44,26 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   // with the server. A store given in the options belongs to whoever made it.
   const ownStorage = options.storage === undefined ? new MemoryStorage() : null
   const settings = normalizeOptions(options, options.storage ?? ownStorage!)
+  const closeTimeout = closeTimeoutOption(options.closeTimeout, fastify.initialConfig.pluginTimeout ?? 0)
+  const guard = registerIn(fastify)
   // A second registration (in another encapsulated context, say) shares the decoration.
   if (!fastify.hasRequestDecorator(kState as unknown as string)) {
     fastify.decorateRequest(kState as unknown as string, null)
     fastify.decorateRequest('idempotency', null)
   }
+  if (!fastify.hasDecorator('idempotency')) fastify.decorate('idempotency', new KeyOperations(settings, loggerAudit(fastify.log)))
 
   // Every guarded route's hooks, whose lease renewal stops when the server closes.
   const guarded: Array<{ stop: () => void }> = []
+  const inFlight = new InFlight()
+  waitForRequestsOnClose(fastify, inFlight, closeTimeout)
 
   fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
     if (config === undefined) return
+    guard(routeOptions)
     const methods = Array.isArray(routeOptions.method) ? routeOptions.method : [routeOptions.method]
-    const name = `${methods.join(',')} ${routeOptions.url}`
+    const name = routeName(routeOptions)
     const route = routeSettings(settings, config, name)
     if (route === null) return
     const safe = methods.filter((method) => SAFE_METHODS.has(method))
@@ -59,7 +74,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
       }
       return
     }
-    const hooks = createRouteHooks(settings, route, routeOptions.url, safe.length > 0)
+    const hooks = createRouteHooks(settings, route, routeOptions.url, safe.length > 0, inFlight)
     guarded.push(hooks)
     // Only when @fastify/swagger is there to read it: a header schema also means validation work.
     if (this.hasDecorator('swagger')) documentRoute(routeOptions, { ...settings, ...route })
@@ -67,10 +82,12 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     // replaces the outer one's hooks: a route must never go through the plugin twice.
     const guardedRoute = routeOptions as GuardedRoute
     const replaced = guardedRoute[kRouteHooks] ?? []
-    guardedRoute[kRouteHooks] = [hooks.onRequest, hooks.preHandler, hooks.onSend, hooks.onError]
+    guardedRoute[kRouteHooks] = [hooks.onRequest, hooks.preValidation, hooks.preHandler, hooks.onSend, hooks.onError]
     // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
     // and a replay is never served to a request they would have refused.
     routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest, replaced) as RouteOptions['onRequest']
+    // The body is fingerprinted as it arrived: where a schema may change it, before validation.
+    if (routeOptions.schema?.body !== undefined) routeOptions.preValidation = appendHook(routeOptions.preValidation, hooks.preValidation, replaced) as RouteOptions['preValidation']
     routeOptions.preHandler = appendHook(routeOptions.preHandler, hooks.preHandler, replaced) as RouteOptions['preHandler']
     routeOptions.onSend = appendHook(routeOptions.onSend, hooks.onSend, replaced) as RouteOptions['onSend']
     routeOptions.onError = appendHook(routeOptions.onError, hooks.onError, replaced) as RouteOptions['onError']
@@ -83,7 +100,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
 }
 
 /** The plugin, for `fastify.register(idempotency, options)`. */
-export const idempotency = fp(plugin, { fastify: '5.x', name: 'fastify-idempotency' })
+export const idempotency = fp(plugin, { fastify: '5.x || 6.x', name: 'fastify-idempotency' })
 export default idempotency
 
 export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
@@ -95,30 +112,67 @@ export {
   IdempotencyError,
   IdempotencyFingerprintError,
   IdempotencyFingerprintMismatchError,
+  IdempotencyFingerprintUnsupportedError,
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
+  IdempotencyScopeError,
+  IdempotencyServerClosingError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError,
   isIdempotencyError,
   PROBLEM_TYPE_BASE
 } from './errors.js'
 export { idempotencyErrorHandler, toProblem } from './error-handler.js'
+export {
+  BodyNestedTooDeeplyError,
+  BodyTooLargeError,
+  isBodyNestedTooDeeplyError,
+  isBodyTooLargeError,
+  isStoreContentionError,
+  isStoreTimeoutError,
+  isUnreadableEntryError,
+  StoreContentionError,
+  StoreTimeoutError
+} from './error-causes.js'
 export type { ErrorHandler, IdempotencyErrorHandlerOptions, IdempotencyProblem } from './error-handler.js'
-export { CHANNEL_PREFIX, channels } from './diagnostics.js'
-export type { IdempotencyEvent, IdempotencyOutcome } from './diagnostics.js'
+export { CHANNEL_PREFIX, channels, operationChannels } from './diagnostics.js'
+export type { IdempotencyEvent, IdempotencyOperation, IdempotencyOperationEvent, IdempotencyOutcome } from './diagnostics.js'
+export { IdempotencyOperationNotSupportedError } from './operations/index.js'
+export type {
+  ForgetOptions,
+  ForgetResult,
+  HeldKey,
+  IdempotencyOperations,
+  InFlightListing,
+  InFlightOptions,
+  Inspection,
+  InFlightInspection,
+  KeyOptions,
+  OperationOptions,
+  StoredInspection
+} from './operations/index.js'
 export { scopeByHeader } from './scope.js'
+export type { Scope } from './scope.js'
 export type { EncryptionOptions } from './encryption.js'
-export type { Redact } from './options.js'
+export type { Redact, StoreIf } from './options.js'
 export { MemoryStorage } from './storage/memory.js'
+export { UnreadableEntryError } from './storage/unreadable-entry.js'
 export type { MemoryStorageOptions } from './storage/memory.js'
 export type {
   BeginAcquired,
   BeginCompleted,
   BeginInFlight,
   BeginResult,
+  HeldLease,
   IdempotencyStorage,
+  LeaseListing,
   StorageTransaction,
+  StoredCompleted,
+  StoredInFlight,
   StoredResponse,
+  StoredState,
+  StorageForgetOptions,
+  StorageForgetResult,
   TransactionalStorage
 } from './storage/types.js'

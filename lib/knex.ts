@@ -1,6 +1,6 @@
 /**
  * `fastify-idempotency/knex`: KnexStorage (PostgreSQL, MySQL/MariaDB, SQLite), its table's
- * schema helpers for migrations, and `transactionOf` for handlers in transaction mode.
+ * schema functions for migrations, and `transactionOf` for handlers in transaction mode.
  */
 import type { FastifyRequest } from 'fastify'
 import type { Knex } from 'knex'
@@ -8,6 +8,7 @@ import type { Knex } from 'knex'
 export { KnexStorage, type KnexStorageOptions, type PurgeExpiredOptions } from './storage/knex/index.js'
 export {
   createIdempotencyTable,
+  createInFlightIndex,
   dropIdempotencyTable,
   DEFAULT_TABLE_NAME,
   MAX_KEY_BYTES,

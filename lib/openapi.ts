@@ -75,7 +75,7 @@ function withResponses (response: unknown, settings: DocumentedSettings): unknow
   return responses
 }
 
-/** Add the route's idempotency contract to its schema, for @fastify/swagger to render. */
+/** Add how the route treats the key header to its schema, for @fastify/swagger to render. */
 export function documentRoute (routeOptions: RouteOptions, settings: DocumentedSettings): void {
   const schema: Schema = { ...routeOptions.schema }
   schema.headers = withKeyHeader(schema.headers, settings)

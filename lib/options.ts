@@ -8,6 +8,7 @@ import type { FastifyRequest } from 'fastify'
 import { ResponseCipher, type EncryptionOptions } from './encryption.js'
 import { ALWAYS_EXCLUDED_HEADERS } from './excluded-headers.js'
 import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
+import type { Scope } from './scope.js'
 import type { IdempotencyStorage, StoredResponse, TransactionalStorage } from './storage/types.js'
 
 /** What a route may set in `config.idempotency` (and what the plugin options set for every route). */
@@ -45,7 +46,7 @@ export interface IdempotencyRouteOptions {
    * run again; `'release'` stores nothing and frees the key, so a retry runs the handler again.
    */
   unstorableResponse?: 'outcome' | 'release'
-  /** Status of a fingerprint mismatch: 409 (default, the seed's) or 422 (the IETF draft's). */
+  /** Status of a fingerprint mismatch: 409 (default, Stripe's) or 422 (the IETF draft's). */
   mismatchStatusCode?: 409 | 422
   /** When the store is unreachable, run the handler without protection instead of answering 503 (default `false`). */
   failOpen?: boolean
@@ -63,8 +64,8 @@ export interface IdempotencyRouteOptions {
    * it (KnexStorage).
    */
   transaction?: boolean
-  /** Namespace keys by principal (tenant, user, API key) so one never receives another's response. */
-  scope?: (request: FastifyRequest) => string | Promise<string>
+  /** Namespace keys by caller (the signed-in user's id, say; `undefined`: none), so one never receives another's response. */
+  scope?: Scope
   /**
    * Called with each response about to be stored (a copy); returns what to store instead: the
    * same response with secrets taken out, or with `bodyOmitted: true` to keep only its status and
@@ -72,10 +73,17 @@ export interface IdempotencyRouteOptions {
    * stored. Its status cannot be changed. If it throws, only the status is stored.
    */
   redact?: Redact
+  /**
+   * Keep this answer? Called with a copy of each answer of a cacheable status, before `redact`;
+   * `false` frees the key (a retry runs again). A throw, a non-boolean or a timeout keeps it.
+   */
+  storeIf?: StoreIf
 }
 
 /** See `IdempotencyRouteOptions.redact`. */
 export type Redact = (response: StoredResponse, request: FastifyRequest) => StoredResponse | Promise<StoredResponse>
+/** See `IdempotencyRouteOptions.storeIf`. */
+export type StoreIf = (response: StoredResponse, request: FastifyRequest) => boolean | Promise<boolean>
 
 export interface IdempotencyOptions extends IdempotencyRouteOptions {
   /** Where responses and leases live (default: a new `MemoryStorage`). */
@@ -95,6 +103,8 @@ export interface IdempotencyOptions extends IdempotencyRouteOptions {
    * and scopes stored as a keyed hash. Default: none.
    */
   encryption?: EncryptionOptions
+  /** How long `app.close()` waits for guarded requests in flight to settle (default `'5s'`; see docs/shutdown.md). */
+  closeTimeout?: number | string
 }
 
 /** What the plugin's options fix for every route, normalized once at register time. */
@@ -137,8 +147,9 @@ export interface RouteSettings {
   transaction: boolean
   /** Milliseconds a duplicate of an in-flight request waits; 0 answers 409 at once. */
   waitTimeout: number
-  scope: ((request: FastifyRequest) => string | Promise<string>) | null
+  scope: Scope | null
   redact: Redact | null
+  storeIf: StoreIf | null
 }
 
 const DEFAULT_WAIT_TIMEOUT = 10_000
@@ -193,7 +204,8 @@ const routeProperties = {
   transaction: { type: 'boolean' },
   // Functions and objects are checked by hand below: JSON Schema cannot describe them.
   scope: {},
-  redact: {}
+  redact: {},
+  storeIf: {}
 }
 
 /** JSON Schema of the plugin options. */
@@ -209,7 +221,8 @@ export const optionsSchema = {
     replaySetCookie: { type: 'boolean' },
     excludeHeaders: { type: 'array', items: { type: 'string', pattern: TOKEN } },
     // Buffers: checked by ResponseCipher.
-    encryption: {}
+    encryption: {},
+    closeTimeout: duration
   }
 } as const
 
@@ -223,6 +236,8 @@ export const routeConfigSchema = {
 const ajv = new Ajv({ allErrors: false, strict: true, allowUnionTypes: true })
 const validateOptions = ajv.compile(optionsSchema)
 const validateRouteConfig = ajv.compile(routeConfigSchema)
+/** Whether an option set read back from a stored fingerprint is one these options allow. */
+export const isFingerprintOptions = ajv.compile<FingerprintOptions>(fingerprintSchema)
 
 /** The most telling error: the deepest one, and of two equally deep, not a mere type mismatch of an anyOf branch. */
 function mostSpecific (errors: ErrorObject[]): ErrorObject {
@@ -240,7 +255,7 @@ function check (valid: boolean, errors: ErrorObject[] | null | undefined, contex
   if (!valid) throw new TypeError(`fastify-idempotency: invalid ${context}: ${describeError(mostSpecific(errors!), root)}`)
 }
 
-function toMilliseconds (value: number | string, name: string, context: string): number {
+export function toMilliseconds (value: number | string, name: string, context: string): number {
   const ms = typeof value === 'number' ? value : parseDuration(value)
   if (ms === undefined || !Number.isFinite(ms) || ms < 1) {
     throw new TypeError(`fastify-idempotency: invalid ${context}: ${name} must be a positive number of milliseconds or a duration such as '24h' (got ${JSON.stringify(value)})`)
@@ -249,7 +264,7 @@ function toMilliseconds (value: number | string, name: string, context: string):
 }
 
 function checkFunctions (options: IdempotencyRouteOptions, context: string): void {
-  for (const name of ['scope', 'redact'] as const) {
+  for (const name of ['scope', 'redact', 'storeIf'] as const) {
     if (options[name] !== undefined && typeof options[name] !== 'function') {
       throw new TypeError(`fastify-idempotency: invalid ${context}: ${name} must be a function of the request`)
     }
@@ -320,7 +335,8 @@ export function normalizeOptions (options: IdempotencyOptions, storage: Idempote
       waitTimeout: options.wait === true ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context) : 0,
       transaction: checkTransaction(options.transaction ?? false, storage, context),
       scope: options.scope ?? null,
-      redact: options.redact ?? null
+      redact: options.redact ?? null,
+      storeIf: options.storeIf ?? null
     }
   }
 }
@@ -383,6 +399,7 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
     waitTimeout: routeWaitTimeout(base, route, context),
     transaction: checkTransaction(route.transaction ?? base.transaction, plugin.storage, context),
     scope: route.scope ?? base.scope,
-    redact: route.redact ?? base.redact
+    redact: route.redact ?? base.redact,
+    storeIf: route.storeIf ?? base.storeIf
   }
 }

@@ -1,7 +1,8 @@
 /**
  * `fingerprint: { body: 'raw' }`: a hash of the request's bytes exactly as they came over the
  * wire, before any parser, for bodies the plugin cannot see once parsed (multipart uploads, custom
- * parsers, `attachFieldsToBody`).
+ * parsers, `attachFieldsToBody`). Whatever the options, a body no parser made a value of (one
+ * nobody has read, a stream a parser handed on as `request.body`) is hashed the same way.
  *
  * The bytes are hashed as whoever reads the request reads them (Fastify's content-type parser,
  * @fastify/multipart's busboy, which reads `request.raw` itself): the tap watches the raw stream's
@@ -16,20 +17,50 @@
  */
 import { createHash, type Hash } from 'node:crypto'
 import { IncomingMessage } from 'node:http'
+import type { Readable } from 'node:stream'
+import type { FastifyRequest } from 'fastify'
+import { FingerprintValueError, isStream } from './canonical-value.js'
 
-type Emit = IncomingMessage['emit']
+type Emit = Readable['emit']
+
+/** A Node stream or a web ReadableStream: a body a parser handed on unread (a proxy's). */
+export function isStreamBody (body: unknown): body is object {
+  return body !== null && typeof body === 'object' && isStream(body)
+}
+
+/**
+ * The hash to take of a body that counts by its bytes because no parser made a value of it: a
+ * request body nobody has read (multipart in stream mode, whose reader is the handler), or a
+ * stream a parser handed on as `request.body` (@fastify/http-proxy's, a custom parser's). `null`
+ * for a body some parser made a value of.
+ */
+export function unparsedBody (request: FastifyRequest): RawBodyHash | null {
+  const body = request.body
+  const contentType = request.headers['content-type']
+  if (body === undefined) return RawBodyHash.unread(request.raw) ? new RawBodyHash(request.raw, contentType) : null
+  if (!isStreamBody(body)) return null
+  const stream = body as Partial<Readable>
+  if (typeof stream.read !== 'function' || typeof stream.unshift !== 'function') {
+    throw new FingerprintValueError('the body is a web ReadableStream, whose bytes the plugin cannot read and give back; fingerprint the route with body: \'raw\'')
+  }
+  if (stream.readableDidRead === true) {
+    throw new FingerprintValueError('the body is a stream that was read before the fingerprint could be taken; fingerprint the route with body: \'raw\'')
+  }
+  return new RawBodyHash(body as Readable, contentType)
+}
 
 export class RawBodyHash {
-  readonly #raw: IncomingMessage
+  readonly #raw: Readable
   readonly #hash: BoundaryElidingHash
   #size = 0
   #digest: string | null = null
   /** The tap hashes 'data' events; not while the plugin reads ahead itself. */
   #tapping = false
 
-  constructor (raw: IncomingMessage) {
+  /** `raw`: the request's stream, or the stream a parser handed on; `contentType`: the request's. */
+  constructor (raw: Readable, contentType: string | undefined) {
     this.#raw = raw
-    this.#hash = new BoundaryElidingHash(multipartBoundary(raw.headers['content-type']))
+    this.#hash = new BoundaryElidingHash(multipartBoundary(contentType))
   }
 
   /**
@@ -47,7 +78,7 @@ export class RawBodyHash {
     const tap = this
     this.#tapping = true
     // An own property of this request's stream only: the prototype's emit is untouched.
-    this.#raw.emit = function (this: IncomingMessage, event: string | symbol, ...args: unknown[]): boolean {
+    this.#raw.emit = function (this: Readable, event: string | symbol, ...args: unknown[]): boolean {
       if (tap.#tapping) {
         if (event === 'data') tap.#update(args[0] as Buffer | string)
         else if (event === 'end') tap.#finish()
@@ -122,13 +153,13 @@ function hasBody (raw: IncomingMessage): boolean {
  * @fastify/aws-lambda and the like answer with) have neither: there the stream's own state tells
  * that its end has been pushed, which Node keeps in `_readableState.ended` and exposes no other way.
  */
-function arrived (raw: IncomingMessage): boolean {
-  if (raw.complete === true || http2Stream(raw)?.readableEnded === true) return true
+function arrived (raw: Readable): boolean {
+  if ((raw as Partial<IncomingMessage>).complete === true || http2Stream(raw)?.readableEnded === true) return true
   return (raw as { _readableState?: { ended?: boolean } })._readableState?.ended === true
 }
 
 /** The HTTP/2 stream under a request of Fastify's `http2: true` server; `undefined` over HTTP/1.1. */
-function http2Stream (raw: IncomingMessage): { endAfterHeaders: boolean, readableEnded: boolean } | undefined {
+function http2Stream (raw: Readable): { endAfterHeaders: boolean, readableEnded: boolean } | undefined {
   return (raw as { stream?: { endAfterHeaders: boolean, readableEnded: boolean } }).stream
 }
 
@@ -178,7 +209,7 @@ class BoundaryElidingHash {
 }
 
 /** Resolves when more of the body can be read; rejects if the request ends without it. */
-function readable (raw: IncomingMessage): Promise<void> {
+function readable (raw: Readable): Promise<void> {
   return new Promise((resolve, reject) => {
     const done = (error?: Error): void => {
       raw.off('readable', onReadable)

@@ -2,8 +2,8 @@
  * The code samples of the documentation are programs, and this file proves it. Every ```ts block
  * of README.md and docs/**\/*.md is written to .tmp/ (the package's import specifiers rewritten to
  * the sources in lib/), type-checked by one run of the repository's TypeScript compiler with the
- * repository's settings and, when it is a complete program, run in a child process with a time
- * limit.
+ * repository's settings and, when it is a complete program, bundled with the sources it imports
+ * and run in a child process with a time limit.
  *
  * What a page can say about a block, on the line just before its fence (HTML comments, which do
  * not show on the rendered page):
@@ -34,6 +34,7 @@ import { mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'nod
 import { dirname, join, relative, resolve, sep } from 'node:path'
 import { Redis } from 'ioredis'
 import knexFactory, { type Knex } from 'knex'
+import { bundle } from './helpers/bundle.js'
 import { MARIADB, POSTGRES, REDIS, pgConnection, service, type Availability, type ServiceConfig } from './helpers/services.js'
 
 const root = resolve(import.meta.dirname, '..')
@@ -277,7 +278,9 @@ beforeAll(async () => {
   }
   writeFileSync(join(work, 'tsconfig.json'), JSON.stringify({
     extends: relative(work, join(root, 'tsconfig.json')).split(sep).join('/'),
-    compilerOptions: { noEmit: true, incremental: false },
+    // Nest's decorators (docs/frameworks/nestjs.md) are TypeScript's experimental ones, as in a
+    // Nest project's own settings; tsx reads this file too, so the samples run with them.
+    compilerOptions: { noEmit: true, incremental: false, experimentalDecorators: true, emitDecoratorMetadata: true },
     include: ['**/*.ts']
   }, null, 2))
   compiled = run(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(work, 'tsconfig.json'), '--pretty', 'false'], root, process.env, 120_000)
@@ -335,7 +338,8 @@ describe('documentation samples', () => {
     const reason = unavailable(sample)
     const test = reason === '' ? it.concurrent : it.concurrent.skip
     test(`${sample.id} runs${reason}`, async () => {
-      const result = await limited(() => run(process.execPath, ['--import', 'tsx', sample.file], dirname(sample.file), {
+      // Bundled with the sources it imports, it starts as plain node (test/helpers/bundle.ts).
+      const result = await limited(async () => run(process.execPath, [await bundle(sample.file, join(dirname(sample.file), '.bundled'))], dirname(sample.file), {
         ...process.env, DATABASE_URL: databaseUrl, NO_COLOR: '1'
       }, RUN_LIMIT_MS))
       const report = `exit ${result.code ?? result.signal}${result.timedOut ? ` (killed after ${RUN_LIMIT_MS} ms)` : ''}\n--- stdout\n${result.stdout}--- stderr\n${result.stderr}`

@@ -186,6 +186,17 @@ for (const store of cases) {
       expect(statusOnly.headers.get('location')).toBeNull()
       expect(runs).toBe(before + 2)
     })
+
+    it('keeps only the status when redact never settles: the client gets its answer once storeTimeout has passed', async () => {
+      const before = runs
+      const hung = await start({ storeTimeout: 200, redact: async () => await new Promise<StoredResponse>(() => {}) })
+      const first = await post(hung, SECRET.tokenA, `hung-${store.name}`)
+      expect(first.status).toBe(201)
+      expect(JSON.parse(first.body).clientSecret).toBe(SECRET.clientSecret)
+      const statusOnly = await post(hung, SECRET.tokenA, `hung-${store.name}`)
+      expect([statusOnly.status, statusOnly.body, statusOnly.headers.get('idempotent-replayed')]).toEqual([201, '', 'true'])
+      expect(runs).toBe(before + 1)
+    })
   })
 }
 
@@ -239,7 +250,7 @@ describe('credentials without a scope', () => {
     const warnings = lines.filter((line) => line.includes('has no scope'))
     expect(warnings).toHaveLength(1)
     expect(warnings[0]).toContain('/orders')
-    expect(warnings[0]).toContain("scopeByHeader('authorization')")
+    expect(warnings[0]).toContain('scope: (request) => request.user?.id')
     await app.close()
   })
 })

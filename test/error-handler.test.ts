@@ -5,14 +5,18 @@ import {
   IdempotencyError,
   IdempotencyFingerprintError,
   IdempotencyFingerprintMismatchError,
+  IdempotencyFingerprintUnsupportedError,
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
+  IdempotencyScopeError,
+  IdempotencyServerClosingError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError,
   idempotencyErrorHandler,
   isIdempotencyError
 } from '../lib/index.js'
+import { anchorsOf } from './helpers/markdown.js'
 
 const kinds = [
   { error: new IdempotencyFingerprintMismatchError('k1'), status: 409, anchor: 'fingerprint-mismatch', title: 'Idempotency fingerprint mismatch', key: 'k1' },
@@ -22,7 +26,10 @@ const kinds = [
   { error: new IdempotencyRequestInProgressError('k3', 12.2), status: 409, anchor: 'request-in-progress', title: 'Idempotency request in progress', key: 'k3' },
   { error: new IdempotencyStoreUnavailableError('k4', new Error('ECONNREFUSED')), status: 503, anchor: 'store-unavailable', title: 'Idempotency store unavailable', key: 'k4' },
   { error: new IdempotencyFingerprintError('k6', new RangeError('deep')), status: 400, anchor: 'fingerprint-failed', title: 'Idempotency fingerprint failed', key: 'k6' },
-  { error: new IdempotencyStoredResponseUnreadableError('k5', new Error('tampered')), status: 409, anchor: 'stored-response-unreadable', title: 'Idempotency stored response unreadable', key: 'k5' }
+  { error: new IdempotencyFingerprintUnsupportedError('k7', 'POST /orders', '/items/0', 'the body holds an instance of Point', null), status: 500, anchor: 'fingerprint-unsupported', title: 'Idempotency fingerprint unsupported', key: 'k7' },
+  { error: new IdempotencyStoredResponseUnreadableError('k5', new Error('tampered')), status: 409, anchor: 'stored-response-unreadable', title: 'Idempotency stored response unreadable', key: 'k5' },
+  { error: new IdempotencyServerClosingError('k7'), status: 503, anchor: 'server-closing', title: 'Idempotency server closing', key: 'k7' },
+  { error: new IdempotencyScopeError('k8'), status: 500, anchor: 'scope-unresolved', title: 'Idempotency scope unresolved', key: 'k8' }
 ]
 
 async function answer (error: Error, handler = idempotencyErrorHandler()) {
@@ -34,14 +41,9 @@ async function answer (error: Error, handler = idempotencyErrorHandler()) {
   return res
 }
 
-/** GitHub's heading anchors: lower case, spaces to hyphens, punctuation dropped. */
-function anchors (markdown: string): Set<string> {
-  return new Set([...markdown.matchAll(/^#{1,6} (.+)$/gm)].map((match) => match[1]!.trim().toLowerCase().replace(/[^\w\- ]/g, '').replace(/ /g, '-')))
-}
-
 describe('errors', () => {
   it('each have a section of docs/errors.md where their problem type points', () => {
-    const sections = anchors(readFileSync(new URL('../docs/errors.md', import.meta.url), 'utf8'))
+    const sections = anchorsOf(readFileSync(new URL('../docs/errors.md', import.meta.url), 'utf8'))
     for (const { anchor } of kinds) expect(sections).toContain(anchor)
     expect(sections).toContain('idempotency-errors')
   })
@@ -64,7 +66,7 @@ describe('errors', () => {
     expect(IdempotencyFingerprintMismatchError.title).toBe('Idempotency fingerprint mismatch')
   })
 
-  it('capture no stack trace for a 4xx (the client\'s request, not a fault in code) and keep it for a 503', () => {
+  it('capture no stack trace for a 4xx (the client\'s request, not a fault in code) and keep it for a 5xx', () => {
     const frames = (error: Error) => (error.stack ?? '').split('\n').filter((line) => line.trimStart().startsWith('at ')).length
     for (const { error, status } of kinds) {
       if (status < 500) expect(frames(error), error.name).toBe(0)
@@ -81,7 +83,7 @@ describe('errors', () => {
 
   it('tells clients which refusals a retry cannot fix (Stripe-Should-Retry, X-Should-Retry) and when to retry the others', () => {
     for (const { error, anchor } of kinds) {
-      const retryable = anchor === 'request-in-progress' || anchor === 'store-unavailable'
+      const retryable = anchor === 'request-in-progress' || anchor === 'store-unavailable' || anchor === 'server-closing'
       expect(error.headers['stripe-should-retry'], anchor).toBe(String(retryable))
       expect(error.headers['x-should-retry'], anchor).toBe(String(retryable))
       if (retryable) expect(Number(error.headers['retry-after-ms']), anchor).toBeGreaterThan(0)

@@ -4,15 +4,18 @@ import type { FastifyRequest } from 'fastify'
 import { Readable } from 'node:stream'
 import canonicalizeModule from 'canonicalize'
 import fc from 'fast-check'
-import { BodyNestedTooDeeplyError, canonicalValue, MAX_DEPTH } from '../lib/canonical-value.js'
-import { computeFingerprint, normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint.js'
+import { BodyNestedTooDeeplyError, canonicalValue, FingerprintValueError, IncomparableValueError, MAX_DEPTH } from '../lib/canonical-value.js'
+import { normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint.js'
+import { routeTag } from '../lib/fingerprint-record.js'
+import { fingerprintRequest } from '../lib/request-fingerprint.js'
 
 const canonicalize = canonicalizeModule as unknown as (input: unknown) => string
 
 function request (parts: { body?: unknown, method?: string, url?: string, headers?: Record<string, string | string[]> }): FastifyRequest {
   return { body: parts.body, method: parts.method ?? 'POST', url: parts.url ?? '/orders', headers: parts.headers ?? {} } as unknown as FastifyRequest
 }
-const fp = (parts: Parameters<typeof request>[0], options: FingerprintOptions = {}) => computeFingerprint(request(parts), normalizeFingerprint(options))
+/** The digest of a request's fingerprint record. */
+const fp = (parts: Parameters<typeof request>[0], options: FingerprintOptions = {}) => fingerprintRequest(request(parts), '/orders', normalizeFingerprint(options), null, undefined).record.slice(-43)
 
 describe('fingerprint', () => {
   it('is a SHA-256 in base64url', () => {
@@ -24,13 +27,15 @@ describe('fingerprint', () => {
   })
 
   it('pins the documented encoding: a stored fingerprint stays valid across releases', () => {
-    const settings = normalizeFingerprint({})
     const part = (type: string, data: string) => `${type}${Buffer.byteLength(data)}:${data}`
     // RFC 8785: members sorted by UTF-16 code units, so "10" before "2"; 1.50 written as 1.5.
     const canonical = '{"10":"x","2":{"a":1.5,"b":"\u00e9"}}'
-    const expected = createHash('sha256').update(part('t', settings.tag) + part('j', canonical)).digest('base64url')
-    expect(fp({ body: JSON.parse('{ "2": { "b": "\u00e9", "a": 1.50 }, "10": "x" }') })).toBe(expected)
-    expect(settings.tag).toBe('["fastify-idempotency/fingerprint/v1",true,null,null,false,false,false,false,[]]')
+    const tag = '["fastify-idempotency/fingerprint/v2",true,null,null,false,false,false,false,[]]'
+    const expected = createHash('sha256').update(part('t', tag) + part('j', canonical)).digest('base64url')
+    const body = JSON.parse('{ "2": { "b": "\u00e9", "a": 1.50 }, "10": "x" }')
+    expect(fingerprintRequest(request({ body }), '/orders', normalizeFingerprint({}), null, undefined).record).toBe(`2.${routeTag('/orders')}.{}.${expected}`)
+    const withPath = normalizeFingerprint({ path: true, method: true, headers: ['X-B', 'x-a'] })
+    expect(fingerprintRequest(request({ body }), '/orders', withPath, null, undefined).record).toMatch(/^2\.[\w-]{8}\.\{"method":true,"path":true,"headers":\["x-a","x-b"\]\}\.[\w-]{43}$/)
   })
 
   it('keeps array order', () => {
@@ -154,9 +159,91 @@ describe('canonicalValue (bodies other parsers made)', () => {
     expect(one).not.toContain('toBuffer')
   })
 
-  it('refuses a body nested deeper than its limit with an error of its own', () => {
+  it('refuses a body nested deeper than its limit with an error of its own, and takes one nested exactly that deep', () => {
+    const nest = (depth: number): unknown => JSON.parse('['.repeat(depth) + ']'.repeat(depth))
+    expect(canonicalValue(nest(MAX_DEPTH))).toHaveLength(2 * MAX_DEPTH)
+    expect(() => canonicalValue(nest(MAX_DEPTH + 1))).toThrow(BodyNestedTooDeeplyError)
     let deep: unknown = {}
     for (let i = 0; i < MAX_DEPTH + 5; i++) deep = { deep }
     expect(() => canonicalValue(deep)).toThrow(BodyNestedTooDeeplyError)
+  })
+
+  it('writes every value JSON cannot hold as a token of its own, so no two values are alike', () => {
+    const floats = new Float64Array([1])
+    const values: unknown[] = [
+      new Map([['a', 1]]), new Map([['a', 2]]), { a: 1 }, new Set([1]), new Set([2]), [1], {},
+      1n, 2n, '1', 1, Number.NaN, Number.POSITIVE_INFINITY, Number.NEGATIVE_INFINITY, null,
+      new Date(0), new Date(0).toJSON(), new Date(Number.NaN), floats, new Uint8Array(floats.buffer), Buffer.from(floats.buffer),
+      floats.buffer, new DataView(floats.buffer), Readable.from([]), new URL('https://a.example/'), 'https://a.example/'
+    ]
+    const texts = values.map((value) => canonicalValue(value))
+    // A Buffer and a Uint8Array of the same bytes are the same bytes.
+    expect(new Set(texts).size).toBe(values.length - 1)
+    expect(texts[19]).toBe(texts[20])
+    expect(canonicalValue({ when: new Date(0) })).toBe('{"when":\u0000oDate:"1970-01-01T00:00:00.000Z"}')
+    expect(canonicalValue([() => 1, Symbol('s'), undefined])).toBe('[null,null,null]')
+    expect(canonicalValue({ f: () => 1, s: Symbol('s'), u: undefined, a: 1 })).toBe('{"a":1}')
+    expect(canonicalValue({ toJSON: () => undefined })).toBe('\u0000oObject:null')
+  })
+
+  it('walks objects whose prototypes hold no methods: null, a query-string parser\'s, a class of fields only', () => {
+    const Empty = function (this: Record<string, unknown>) {} as unknown as new () => Record<string, unknown>
+    Empty.prototype = Object.create(null)
+    const parsed = new Empty()
+    parsed.b = '2'
+    parsed.a = '1'
+    class Fields { a = '1'; b = '2' }
+    const plain = canonicalValue({ a: '1', b: '2' })
+    expect(canonicalValue(parsed)).toBe(plain)
+    expect(canonicalValue(new Fields())).toBe(plain)
+    expect(canonicalValue(Object.assign(Object.create(null), { b: '2', a: '1' }))).toBe(plain)
+  })
+
+  it('refuses a value of the server\'s making that has no canonical form, saying where it is', () => {
+    class Point { readonly #x = 1; get x (): number { return this.#x } }
+    const cases: Array<[unknown, string, RegExp]> = [
+      [{ items: [{ at: new Point() }] }, '/items/0/at', /instance of Point/],
+      [{ 'a/b': { get c () { throw new Error('not loaded') } } }, '/a~1b/c', /reading a member threw/],
+      [{ m: new Map([['k', new Point()]]) }, '/m/0/1', /instance of Point/],
+      [{ d: { toJSON () { throw new Error('no') } } }, '/d', /toJSON of an instance of Object threw/],
+      [new WeakMap(), '', /instance of WeakMap/],
+      [[new (class { method (): void {} })()], '/0', /instance of an object without a class name/],
+      [() => 1, '', /the body is a function/]
+    ]
+    for (const [value, path, reason] of cases) {
+      let error: unknown
+      try {
+        canonicalValue(value)
+      } catch (caught) {
+        error = caught
+      }
+      expect(error, path).toBeInstanceOf(FingerprintValueError)
+      expect((error as FingerprintValueError).path).toBe(path)
+      expect((error as FingerprintValueError).message).toMatch(reason)
+    }
+  })
+})
+
+describe('canonicalValue as version 1 wrote it (for entries 0.1.0 stored)', () => {
+  it('on the JSON path, writes what canonicalize wrote, Dates and other toJSON values included', () => {
+    fc.assert(fc.property(fc.jsonValue(), fc.date({ noInvalidDate: true }), (value, date) => {
+      const body = { value, date, nested: [{ date }] }
+      expect(canonicalValue(body, 'json')).toBe(canonicalize(body))
+    }), { numRuns: 200 })
+  })
+
+  it('on the path for other parsers, writes the tokens 0.1.0 wrote: bytes (of any view) by length and hash, streams, back-references', () => {
+    const body: Record<string, unknown> = { file: Buffer.from('one'), floats: new Float64Array([1]), stream: Readable.from([]), fn: () => 1 }
+    body.self = body
+    const bytes = (data: Buffer) => `\u0000b${data.length}:${createHash('sha256').update(data).digest('base64url')}`
+    expect(canonicalValue(body, 'value')).toBe(`{"file":${bytes(Buffer.from('one'))},"floats":${bytes(Buffer.from(new Float64Array([1]).buffer))},"self":\u0000r1,"stream":\u0000s}`)
+  })
+
+  it('cannot compare a value version 1 wrote as it wrote another', () => {
+    const cycle: Record<string, unknown> = {}
+    cycle.self = cycle
+    const json: unknown[] = [new Map(), new Set(), 1n, Number.NaN, Buffer.from('a'), { f: () => 1 }, [() => 1], cycle, Readable.from([]), { toJSON: () => undefined }, () => 1]
+    for (const value of json) expect(() => canonicalValue(value, 'json'), String(value)).toThrow(IncomparableValueError)
+    for (const value of [new Map(), new ArrayBuffer(2), 1n]) expect(() => canonicalValue(value, 'value')).toThrow(IncomparableValueError)
   })
 })

@@ -75,4 +75,18 @@ describe('LeaseRenewal', () => {
     expect(expired).toEqual(['a@1000', 'b@1500'])
     renewal.stop()
   })
+
+  it('counts from when the call that took the lease was sent: held late, it is renewed at the first tick; inTime says when that is too late', () => {
+    const renewed: string[] = []
+    vi.setSystemTime(3_000_000)
+    const renewal = new LeaseRenewal<TestLease>(800, Infinity, (l) => { renewed.push(`${l.name}@${Date.now() - 3_000_000}`) })
+    // begin was sent at 0 and answered at 100 (lockTimeout / 8): still in time.
+    vi.advanceTimersByTime(100)
+    expect(renewal.inTime(3_000_000)).toBe(true)
+    expect(renewal.inTime(2_999_999)).toBe(false)
+    renewal.hold(lease('a'), 3_000_000)
+    vi.advanceTimersByTime(200) // t = 300: the first tick, the lease 300 ms old
+    expect(renewed).toEqual(['a@300'])
+    renewal.stop()
+  })
 })

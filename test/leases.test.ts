@@ -15,7 +15,8 @@ afterEach(async () => { await app?.close() })
 /** A server whose /hang handler never answers, and whose /quick handler does. */
 async function server (options: IdempotencyOptions): Promise<{ port: number, runs: () => number }> {
   app = Fastify({ forceCloseConnections: true })
-  await app.register(idempotency, options)
+  // Its handlers may hang for ever: closing the app waits for them only this long.
+  await app.register(idempotency, { closeTimeout: 100, ...options })
   app.setErrorHandler(idempotencyErrorHandler())
   let runs = 0
   app.post('/hang', { config: { idempotency: true } }, async (request) => {

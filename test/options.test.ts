@@ -41,6 +41,7 @@ describe('options are validated when the plugin is registered', () => {
       mismatchStatusCode: 422,
       failOpen: true,
       scope: () => 'tenant',
+      closeTimeout: '9s',
       fingerprint: { body: { include: ['/amount'] }, method: true, path: true, query: true, contentType: true, headers: ['x-tenant'] }
     })).resolves.toBeUndefined()
   })
@@ -57,8 +58,16 @@ describe('options are validated when the plugin is registered', () => {
     ['include and exclude together', { fingerprint: { body: { include: ['/a'], exclude: ['/b'] } } }, /fingerprint\.body/],
     ['a storage missing methods', { storage: { begin () {} } }, /storage must implement IdempotencyStorage \(missing complete, release, renew\)/],
     ['a scope that is not a function', { scope: 'tenant' }, /scope must be a function/],
+    ['a storeIf that is not a function', { storeIf: true }, /storeIf must be a function/],
     ['a waitTimeout without wait', { waitTimeout: '5s' }, /waitTimeout is set but wait is not true/],
-    ['a maxLockHold shorter than lockTimeout', { lockTimeout: '2m', maxLockHold: '1m' }, /maxLockHold \(60000 ms\) must not be shorter than lockTimeout \(120000 ms\)/]
+    ['a maxLockHold shorter than lockTimeout', { lockTimeout: '2m', maxLockHold: '1m' }, /maxLockHold \(60000 ms\) must not be shorter than lockTimeout \(120000 ms\)/],
+    ['a closeTimeout of zero', { closeTimeout: 0 }, /invalid options: closeTimeout must be >= 1/],
+    ['a closeTimeout of zero seconds', { closeTimeout: '0s' }, /invalid options: closeTimeout must be a positive number of milliseconds or a duration such as '24h' \(got "0s"\)/],
+    ['a negative closeTimeout', { closeTimeout: -5 }, /closeTimeout must be >= 1/],
+    ['a closeTimeout that is not a duration', { closeTimeout: 'when done' }, /closeTimeout must be a positive number of milliseconds/],
+    ['a closeTimeout that is not a number', { closeTimeout: true }, /closeTimeout must be integer,string/],
+    ['a closeTimeout longer than a timer can wait', { closeTimeout: '30d' }, /closeTimeout must be at most 2147483647 ms, about 24 days \(got 2592000000 ms\)/],
+    ['a closeTimeout past Fastify\'s pluginTimeout', { closeTimeout: '10s' }, /closeTimeout \(10000 ms\) must be at most 90 % of Fastify's pluginTimeout \(10000 ms\), which fails a close hook that runs longer: raise it with Fastify\(\{ pluginTimeout \}\)/]
   ]
   for (const [name, options, message] of bad) {
     it(`refuses ${name}`, async () => {
@@ -92,5 +101,23 @@ describe('route config is validated when the route is added', () => {
 
   it('refuses plugin-wide options that make no sense per route', async () => {
     await expect(addRoute({ storage: new MemoryStorage() })).rejects.toThrow(/unknown property 'storage'/)
+    await expect(addRoute({ closeTimeout: '5s' })).rejects.toThrow(/unknown property 'closeTimeout'/)
+  })
+})
+
+describe('closeTimeout and Fastify\'s pluginTimeout', () => {
+  async function registerOn (server: { pluginTimeout: number }, options: IdempotencyOptions): Promise<void> {
+    const app = Fastify(server)
+    try {
+      await app.register(idempotency, options)
+    } finally {
+      await app.close()
+    }
+  }
+
+  it('accepts a closeTimeout up to 90 % of pluginTimeout, and any with pluginTimeout: 0', async () => {
+    await expect(registerOn({ pluginTimeout: 30_000 }, { closeTimeout: '27s' })).resolves.toBeUndefined()
+    await expect(registerOn({ pluginTimeout: 0 }, { closeTimeout: '1h' })).resolves.toBeUndefined()
+    await expect(registerOn({ pluginTimeout: 30_000 }, { closeTimeout: '28s' })).rejects.toThrow(/closeTimeout \(28000 ms\) must be at most 90 % of Fastify's pluginTimeout \(30000 ms\)/)
   })
 })

@@ -3,11 +3,17 @@
  * `import` and `require`, its types checked from both module systems, and checked by publint and
  * are-the-types-wrong. The consumer lives under .tmp/ in this repository, so the package's own
  * dependencies resolve from this repository's node_modules, as they would from the user's.
+ *
+ * PACKED_TARBALL names a tarball `npm pack` already made of this checkout (CI packs once for its
+ * runs on several Node versions); without it, the test packs one. Child processes run
+ * asynchronously: a compiler that blocked this worker for a minute on a loaded machine would make
+ * vitest give up on it.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import { execFileSync } from 'node:child_process'
-import { mkdirSync, readdirSync, rmSync, writeFileSync } from 'node:fs'
-import { join, resolve } from 'node:path'
+import { execFile } from 'node:child_process'
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { dirname, join, relative, resolve } from 'node:path'
+import { anchorsOf, isExternal, linksOf } from './helpers/markdown.js'
 
 const root = resolve(import.meta.dirname, '..')
 const work = join(root, '.tmp', `package-${process.pid}`)
@@ -15,17 +21,45 @@ const consumer = join(work, 'consumer')
 const installed = join(consumer, 'node_modules', 'fastify-idempotency')
 let tarball = ''
 
-function run (command: string, args: string[], cwd: string): string {
-  return execFileSync(command, args, { cwd, encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, npm_config_loglevel: 'error' } })
+interface Finished { code: number, output: string }
+
+/** A command's exit code and its output (stdout, then stderr). */
+function exec (command: string, args: string[], cwd: string): Promise<Finished> {
+  return new Promise((resolve) => {
+    execFile(command, args, { cwd, encoding: 'utf8', maxBuffer: 64 * 1024 * 1024, env: { ...process.env, npm_config_loglevel: 'error' } }, (error, stdout, stderr) => {
+      resolve({ code: error === null ? 0 : typeof error.code === 'number' ? error.code : 1, output: stdout + stderr })
+    })
+  })
 }
 
-beforeAll(() => {
+/** A command's standard output alone (its standard error may carry log lines); a failure throws. */
+function stdoutOf (command: string, args: string[], cwd: string): Promise<string> {
+  return new Promise((resolve, reject) => {
+    execFile(command, args, { cwd, encoding: 'utf8' }, (error, stdout, stderr) => {
+      if (error === null) resolve(stdout)
+      else reject(new Error(`${command} ${args.join(' ')} failed:\n${stdout}${stderr}`))
+    })
+  })
+}
+
+/** A command's stdout; a failure throws with its output. */
+async function run (command: string, args: string[], cwd: string): Promise<string> {
+  const finished = await exec(command, args, cwd)
+  if (finished.code !== 0) throw new Error(`${command} ${args.join(' ')} exited with ${finished.code}:\n${finished.output}`)
+  return finished.output
+}
+
+beforeAll(async () => {
   mkdirSync(installed, { recursive: true })
-  run('npm', ['pack', '--pack-destination', work], root)
-  tarball = join(work, readdirSync(work).find((name) => name.endsWith('.tgz'))!)
-  run('tar', ['-xzf', tarball, '-C', installed, '--strip-components=1'], root)
+  if (process.env.PACKED_TARBALL !== undefined) {
+    tarball = resolve(process.env.PACKED_TARBALL)
+  } else {
+    await run('npm', ['pack', '--pack-destination', work], root)
+    tarball = join(work, readdirSync(work).find((name) => name.endsWith('.tgz'))!)
+  }
+  await run('tar', ['-xzf', tarball, '-C', installed, '--strip-components=1'], root)
   writeFileSync(join(consumer, 'package.json'), JSON.stringify({ name: 'consumer', private: true }))
-}, 120_000)
+}, 180_000)
 
 afterAll(() => rmSync(work, { recursive: true, force: true }))
 
@@ -37,8 +71,8 @@ const entries = {
 }
 
 describe('the packed package', () => {
-  it('ships the build, the docs and the README, and no sources or tests', () => {
-    const files = run('tar', ['-tzf', tarball], root).split('\n').filter(Boolean)
+  it('ships the build, the docs and the README, and no sources or tests', async () => {
+    const files = (await run('tar', ['-tzf', tarball], root)).split('\n').filter(Boolean)
     expect(files).toContain('package/dist/index.js')
     expect(files).toContain('package/dist/index.cjs')
     expect(files).toContain('package/dist/index.d.ts')
@@ -47,7 +81,7 @@ describe('the packed package', () => {
     expect(files.some((file) => file.startsWith('package/test/') || file.startsWith('package/lib/'))).toBe(false)
   })
 
-  it('loads every entry with import', () => {
+  it('loads every entry with import', async () => {
     const script = `for (const [name, names] of Object.entries(${JSON.stringify(entries)})) {
       const mod = await import(name)
       for (const n of names) if (mod[n] === undefined) throw new Error(name + ' lacks ' + n)
@@ -55,10 +89,10 @@ describe('the packed package', () => {
     const { default: plugin, idempotency } = await import('fastify-idempotency')
     if (plugin !== idempotency) throw new Error('default and named exports differ')
     console.log('ok')`
-    expect(run(process.execPath, ['--input-type=module', '-e', script], consumer).trim()).toBe('ok')
+    expect((await run(process.execPath, ['--input-type=module', '-e', script], consumer)).trim()).toBe('ok')
   })
 
-  it('loads every entry with require, and the main entry loads no store driver', () => {
+  it('loads every entry with require, and the main entry loads no store driver', async () => {
     const script = `const entries = ${JSON.stringify(entries)}
     const main = require('fastify-idempotency')
     const loaded = Object.keys(require.cache)
@@ -69,37 +103,86 @@ describe('the packed package', () => {
       for (const n of names) if (mod[n] === undefined) throw new Error(name + ' lacks ' + n)
     }
     console.log('ok')`
-    expect(run(process.execPath, ['-e', script], consumer).trim()).toBe('ok')
+    expect((await run(process.execPath, ['-e', script], consumer)).trim()).toBe('ok')
   })
 
-  it('passes publint and are-the-types-wrong (node16 from ESM and CJS, bundlers)', () => {
+  it('links every page of its README and docs only to files it ships, and to headings they have', async () => {
+    const pages = (await run('tar', ['-tzf', tarball], root)).split('\n').filter((file) => file.endsWith('.md')).map((file) => join(installed, file.replace(/^package\//, '')))
+    expect(pages.length).toBeGreaterThan(15)
+    const broken: string[] = []
+    let checked = 0
+    for (const page of pages) {
+      const markdown = readFileSync(page, 'utf8')
+      for (const link of linksOf(markdown)) {
+        if (isExternal(link)) continue
+        checked++
+        const [path = '', anchor] = link.split('#') as [string, string | undefined]
+        const target = path === '' ? page : resolve(dirname(page), decodeURIComponent(path))
+        const where = `${relative(installed, page)}: ${link}`
+        if (relative(installed, target).startsWith('..') || !existsSync(target)) broken.push(`${where} (not in the package)`)
+        else if (anchor !== undefined && statSync(target).isFile() && target.endsWith('.md') && !anchorsOf(readFileSync(target, 'utf8')).has(anchor)) broken.push(`${where} (no such heading)`)
+      }
+    }
+    expect(broken).toEqual([])
+    expect(checked).toBeGreaterThan(100)
+  })
+
+  it('passes publint and are-the-types-wrong (node16 from ESM and CJS, bundlers)', async () => {
     const bin = (name: string) => join(root, 'node_modules', '.bin', name)
-    expect(() => run(bin('publint'), ['--strict', installed], root)).not.toThrow()
-    const report = run(bin('attw'), [tarball, '--profile', 'node16', '--format', 'json'], root)
+    await run(bin('publint'), ['--strict', installed], root)
+    const report = await run(bin('attw'), [tarball, '--profile', 'node16', '--format', 'json'], root)
     // node10 resolution predates `exports` and cannot see subpath entries; Node 20+ users never use it.
     const problems = (JSON.parse(report) as { analysis: { problems: Array<{ resolutionKind?: string }> } }).analysis.problems
     expect(problems.filter((problem) => problem.resolutionKind !== 'node10')).toEqual([])
   })
 
-  it('type-checks a consumer from ESM and from CommonJS', () => {
-    const source = `import Fastify from 'fastify'
-import idempotency, { idempotencyErrorHandler, IdempotencyFingerprintMismatchError, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from 'fastify-idempotency'
-import { RedisStorage } from 'fastify-idempotency/redis'
-import { KnexStorage } from 'fastify-idempotency/knex'
-import { storageConformance } from 'fastify-idempotency/conformance'
-const options: IdempotencyOptions = { storage: new MemoryStorage(), expiration: '1h', fingerprint: { query: true } }
-const app = Fastify()
-void app.register(idempotency, options)
-app.setErrorHandler(idempotencyErrorHandler())
-app.post('/o', { config: { idempotency: { required: true } } }, async () => ({}))
-const title: string = IdempotencyFingerprintMismatchError.title
-const storages: Array<IdempotencyStorage | typeof RedisStorage | typeof KnexStorage> = []
-export { title, storages, storageConformance }
-`
-    writeFileSync(join(consumer, 'esm.mts'), source)
-    writeFileSync(join(consumer, 'cjs.cts'), source)
-    const tsc = join(root, 'node_modules', 'typescript', 'bin', 'tsc')
-    const flags = ['--noEmit', '--strict', '--skipLibCheck', '--module', 'nodenext', '--moduleResolution', 'nodenext', '--types', 'node', '--typeRoots', join(root, 'node_modules', '@types')]
-    expect(() => run(process.execPath, [tsc, ...flags, 'esm.mts', 'cjs.cts'], consumer)).not.toThrow()
-  })
+  it('ships the command as its bin, which loads a JavaScript or a TypeScript config module (through the project\'s tsx) and exits', async () => {
+    const pkg = JSON.parse(readFileSync(join(installed, 'package.json'), 'utf8')) as { bin: Record<string, string> }
+    expect(pkg.bin).toEqual({ 'fastify-idempotency': './dist/cli.js' })
+    const bin = join(installed, pkg.bin['fastify-idempotency']!)
+    expect(await run(process.execPath, [bin, '--help'], consumer)).toMatch(/^Usage: fastify-idempotency <command>/)
+    writeFileSync(join(consumer, 'idempotency.config.mjs'), "import { MemoryStorage } from 'fastify-idempotency'\nexport default { storage: new MemoryStorage() }\n")
+    // A type annotation: this Node.js loads it only through tsx.
+    writeFileSync(join(consumer, 'idempotency.config.ts'), "import { MemoryStorage, type IdempotencyOptions } from 'fastify-idempotency'\nconst options: IdempotencyOptions = { storage: new MemoryStorage() }\nexport default options\n")
+    for (const config of ['idempotency.config.mjs', 'idempotency.config.ts']) {
+      const listing = JSON.parse(await stdoutOf(process.execPath, [bin, 'in-flight', '--json', '--config', config], consumer)) as unknown
+      expect(listing, config).toEqual({ leases: [], complete: true })
+    }
+  }, 120_000)
+
+  // test/fixtures/consumer/app.ts, as an application's `.mts` and `.cts`, under the strictest
+  // settings an application is likely to have, with both TypeScript lines.
+  const strict = {
+    strict: true,
+    exactOptionalPropertyTypes: true,
+    noUncheckedIndexedAccess: true,
+    module: 'nodenext',
+    moduleResolution: 'nodenext',
+    target: 'es2022',
+    types: ['node'],
+    typeRoots: [join(root, 'node_modules', '@types')],
+    noEmit: true
+  }
+  for (const [typescript, line] of [['typescript', '5'], ['typescript7', '7']] as const) {
+    it(`type-checks a strict consumer from ESM and from CommonJS with TypeScript ${line}`, async () => {
+      const version = (JSON.parse(readFileSync(join(root, 'node_modules', typescript, 'package.json'), 'utf8')) as { version: string }).version
+      expect(version.split('.')[0]).toBe(line)
+      const source = readFileSync(join(root, 'test', 'fixtures', 'consumer', 'app.ts'), 'utf8')
+      writeFileSync(join(consumer, 'esm.mts'), source)
+      writeFileSync(join(consumer, 'cjs.cts'), source)
+      // The package's own declarations are checked too (no skipLibCheck).
+      writeFileSync(join(consumer, 'tsconfig.json'), JSON.stringify({ compilerOptions: strict, files: ['esm.mts', 'cjs.cts'] }))
+      const tsc = join(root, 'node_modules', typescript, 'bin', 'tsc')
+      const checked = await exec(process.execPath, [tsc, '-p', consumer], consumer)
+      expect(checked.output).toBe('')
+      expect(checked.code).toBe(0)
+    }, 120_000)
+  }
+
+  it('builds its declarations with TypeScript 7 as well, the same files as with TypeScript 5', async () => {
+    const out = join(work, 'types-7')
+    await run(process.execPath, [join(root, 'scripts', 'build-types.mjs'), '--typescript', 'typescript7', '--out-dir', relative(root, out)], root)
+    const declarations = (dir: string): string[] => readdirSync(dir, { recursive: true, encoding: 'utf8' }).filter((file) => /\.d\.c?ts$/.test(file)).sort()
+    expect(declarations(out)).toEqual(declarations(join(installed, 'dist')))
+  }, 120_000)
 })

@@ -110,8 +110,8 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
   })
 
   const harness = { describe, it, beforeEach, afterAll }
-  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness)
-  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness)
+  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
+  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
 
   describe('round trips', () => {
     /** Names of the commands ioredis hands to the connection while `fn` runs. */
@@ -319,9 +319,14 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       expect(leaseTtl).toBeGreaterThan(LEASE - 2000)
       expect(leaseTtl).toBeLessThanOrEqual(LEASE)
 
+      const beforeComplete = Date.now()
       expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
       const stored = await client.getBuffer(redisKey)
-      const head = JSON.stringify([response.statusCode, response.contentType, response.headers])
+      // The head ends with whether the body was omitted (0) and when the entry was stored.
+      const storedAt = Number(/,0,(\d+)\]/.exec(stored!.toString())![1])
+      expect(storedAt).toBeGreaterThanOrEqual(beforeComplete)
+      expect(storedAt).toBeLessThanOrEqual(Date.now())
+      const head = JSON.stringify([response.statusCode, response.contentType, response.headers, 0, storedAt])
       const expected = Buffer.concat([Buffer.from(`C9|fp-layout${Buffer.byteLength(head)}|${head}`), response.body])
       expect(stored!.equals(expected)).toBe(true)
       const entryTtl = await client.pttl(redisKey)

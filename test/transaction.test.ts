@@ -143,7 +143,11 @@ for (const dialect of dialects) {
           const key = newKey('trx-mp')
           const answers = await Promise.all(Array.from({ length: 50 }, (_, i) => postOrder(servers[i % 2]!, key, { amount: 1 }, { 'x-delay': '200' })))
           expect(answers.filter((a) => a.status === 201 && !a.replayed)).toHaveLength(1)
-          expect(answers.every((a) => a.status === 201 || a.status === 409)).toBe(true)
+          // A duplicate that waited on the first one's uncommitted row, or for one of the process's
+          // ten connections, longer than storeTimeout is refused with 503 #store-unavailable (as
+          // documented): on a loaded machine that happens; a second run never may.
+          const refused = answers.filter((a) => a.status !== 201 && a.status !== 409)
+          expect(refused.filter((a) => !(a.status === 503 && a.body.includes('#store-unavailable'))).map((a) => `${a.status} ${a.body}`)).toEqual([])
           expect(await effectCount(servers[0]!, key)).toBe(1)
         })
 

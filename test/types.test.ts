@@ -8,19 +8,42 @@ import idempotency, {
   idempotency as named,
   IdempotencyError,
   IdempotencyFingerprintMismatchError,
+  IdempotencyFingerprintUnsupportedError,
   idempotencyErrorHandler,
   isIdempotencyError,
+  IdempotencyOperationNotSupportedError,
+  IdempotencyScopeError,
+  IdempotencyServerClosingError,
   IdempotencyStoredResponseUnreadableError,
+  IdempotencyStoreUnavailableError,
+  isBodyNestedTooDeeplyError,
+  isBodyTooLargeError,
+  isStoreContentionError,
+  isStoreTimeoutError,
+  isUnreadableEntryError,
+  StoreTimeoutError,
+  type BodyNestedTooDeeplyError,
+  type BodyTooLargeError,
+  type StoreContentionError,
   MemoryStorage,
   scopeByHeader,
+  UnreadableEntryError,
   type BeginResult,
   type EncryptionOptions,
   type Redact,
+  type StoreIf,
+  type Scope,
   type FingerprintOptions,
   type IdempotencyRequestContext,
   type IdempotencyOptions,
   type IdempotencyStorage,
-  type StoredResponse
+  type ForgetResult,
+  type InFlightListing,
+  type StorageForgetOptions,
+  type StorageForgetResult,
+  type StoredInspection,
+  type StoredResponse,
+  type StoredState
 } from '../lib/index.js'
 import { transactionOf } from '../lib/knex.js'
 import type { Knex } from 'knex'
@@ -81,6 +104,27 @@ describe('public types', () => {
     expectTypeOf(new IdempotencyStoredResponseUnreadableError('k', null)).toMatchTypeOf<IdempotencyError>()
   })
 
+  it('types storeIf (plugin and route): a boolean, or a promise of one, from the response and the request', () => {
+    const storeIf: StoreIf = (response, request) => response.statusCode === 201 && Buffer.isBuffer(response.body) && request.method === 'POST'
+    const later: StoreIf = async (response) => response.headers['x-keep'] === 'yes'
+    const options: IdempotencyOptions = { storeIf }
+    expectTypeOf(options.storeIf).toEqualTypeOf<StoreIf | undefined>()
+    const route: RouteShorthandOptions = { config: { idempotency: { storeIf: later } } }
+    // @ts-expect-error storeIf answers a boolean
+    const truthy: StoreIf = () => 'yes'
+    // @ts-expect-error storeIf is a function
+    const flag: IdempotencyOptions = { storeIf: false }
+    expectTypeOf([route, truthy, flag]).not.toBeAny()
+  })
+
+  it('types the error of a body the server made unfingerprintable, and what a store throws for a value it cannot read', () => {
+    const unsupported = new IdempotencyFingerprintUnsupportedError('k', 'POST /orders', '/items/0', 'the body holds an instance of Point', null)
+    expectTypeOf(unsupported).toMatchTypeOf<IdempotencyError>()
+    expectTypeOf(unsupported.route).toEqualTypeOf<string>()
+    expectTypeOf(unsupported.path).toEqualTypeOf<string>()
+    expectTypeOf(new UnreadableEntryError('a later layout')).toMatchTypeOf<Error>()
+  })
+
   it('types the errors: static type and title, instance members, the guard', () => {
     expectTypeOf(IdempotencyFingerprintMismatchError.type).toEqualTypeOf<string>()
     expectTypeOf(IdempotencyFingerprintMismatchError.title).toEqualTypeOf<string>()
@@ -92,6 +136,31 @@ describe('public types', () => {
     if (isIdempotencyError(unknownError)) expectTypeOf(unknownError).toEqualTypeOf<IdempotencyError>()
     expectTypeOf(idempotencyErrorHandler).parameter(0).toEqualTypeOf<{ fallback?: Parameters<typeof idempotencyErrorHandler>[0] extends infer O ? O extends { fallback?: infer F } ? F : never : never } | undefined>()
     Fastify().setErrorHandler(idempotencyErrorHandler())
+  })
+
+  it('types scope (a caller\'s id, or undefined for none), scopeByHeader and closeTimeout', async () => {
+    const byUser: Scope = (request) => request.headers['x-user'] === undefined ? undefined : String(request.headers['x-user'])
+    const options: IdempotencyOptions = { scope: byUser, closeTimeout: '5s' }
+    const route: RouteShorthandOptions = { config: { idempotency: { scope: async () => null } } }
+    expectTypeOf(scopeByHeader('x-api-key')).returns.toEqualTypeOf<string | undefined>()
+    // @ts-expect-error a scope returns a string, not a number
+    const numeric: Scope = () => 42
+    // @ts-expect-error closeTimeout is plugin-wide only
+    const routeClose: RouteShorthandOptions = { config: { idempotency: { closeTimeout: '5s' } } }
+    expectTypeOf([options, route, numeric, routeClose]).not.toBeAny()
+    expectTypeOf(new IdempotencyScopeError('k')).toMatchTypeOf<IdempotencyError>()
+    expectTypeOf(new IdempotencyServerClosingError('k')).toMatchTypeOf<IdempotencyError>()
+  })
+
+  it('types the errors a cause can be, each with its guard', () => {
+    const refused = new IdempotencyStoreUnavailableError('k', new StoreTimeoutError('begin', 5000))
+    const cause: unknown = refused.cause
+    if (isStoreTimeoutError(cause)) expectTypeOf(cause).toEqualTypeOf<StoreTimeoutError>()
+    if (isStoreContentionError(cause)) expectTypeOf(cause).toEqualTypeOf<StoreContentionError>()
+    if (isUnreadableEntryError(cause)) expectTypeOf(cause).toEqualTypeOf<UnreadableEntryError>()
+    if (isBodyNestedTooDeeplyError(cause)) expectTypeOf(cause).toEqualTypeOf<BodyNestedTooDeeplyError>()
+    if (isBodyTooLargeError(cause)) expectTypeOf(cause.statusCode).toEqualTypeOf<number>()
+    expectTypeOf<BodyTooLargeError>().toMatchTypeOf<Error>()
   })
 
   it('types request.idempotency and transactionOf', () => {
@@ -113,5 +182,27 @@ describe('public types', () => {
     expectTypeOf(new Custom()).toMatchTypeOf<IdempotencyStorage>()
     expectTypeOf<StoredResponse['body']>().toEqualTypeOf<Buffer>()
     expectTypeOf<BeginResult['state']>().toEqualTypeOf<'acquired' | 'in-flight' | 'completed'>()
+  })
+
+  it('types fastify.idempotency, and the optional operations methods of a store', async () => {
+    const app = Fastify()
+    await app.register(idempotency)
+    const inspection = await app.idempotency.inspect('k', { scope: 'acme', body: true, actor: 'alice' })
+    expectTypeOf(inspection.state).toEqualTypeOf<'absent' | 'in-flight' | 'stored'>()
+    if (inspection.state === 'stored') expectTypeOf(inspection).toEqualTypeOf<StoredInspection>()
+    if (inspection.state === 'in-flight') expectTypeOf(inspection.since).toEqualTypeOf<number | null>()
+    const forgotten = await app.idempotency.forget('k', { force: true })
+    expectTypeOf(forgotten).toEqualTypeOf<ForgetResult>()
+    if (forgotten.outcome === 'refused') expectTypeOf(forgotten.lockExpiresAt).toEqualTypeOf<number>()
+    const listing: InFlightListing = await app.idempotency.inFlight({ olderThan: '5m', limit: 10 })
+    expectTypeOf(listing.leases).items.toHaveProperty('key').toEqualTypeOf<string | null>()
+    expectTypeOf(app.idempotency.purge).returns.resolves.toEqualTypeOf<{ purged: number }>()
+    // @ts-expect-error: force is forget's alone
+    await app.idempotency.inspect('k', { force: true })
+    class WithOperations extends MemoryStorage {}
+    expectTypeOf<IdempotencyStorage['inspect']>().toEqualTypeOf<((key: string) => Promise<StoredState>) | undefined>()
+    expectTypeOf(new WithOperations().forget).toEqualTypeOf<(key: string, options: StorageForgetOptions) => Promise<StorageForgetResult>>()
+    expectTypeOf(IdempotencyOperationNotSupportedError).toBeConstructibleWith('inspect', 'Store', 'inspect')
+    await app.close()
   })
 })

@@ -5,15 +5,18 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises'
 import {
-  IdempotencyFingerprintMismatchError,
   IdempotencyRequestInProgressError,
+  IdempotencyServerClosingError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError,
   type IdempotencyError
 } from '../errors.js'
 import type { StoredResponse, TransactionalStorage } from '../storage/types.js'
+import { UnreadableEntryError } from '../storage/unreadable-entry.js'
+import { fingerprintRefusal } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
+import { takeLease } from './take-lease.js'
 
 export type Acquisition =
   /** The request holds the lease: run the handler. */
@@ -28,42 +31,58 @@ export type Acquisition =
 const RUN: Acquisition = { outcome: 'run' }
 const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
 
+/**
+ * The request is in flight from here until it is settled (engine/in-flight.ts); once the app is
+ * closing, a request that has not reached the store yet is refused instead.
+ */
 export async function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string): Promise<Acquisition> {
-  const { storage, settings, reporter } = engine
+  if (!engine.inFlight.enter(state, engine.reporter)) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
+  let acquisition: Acquisition | undefined
+  try {
+    acquisition = await begin(engine, state, storageKey, fingerprint)
+    return acquisition
+  } finally {
+    // Only a request that runs its handler stays in flight: settling it ends it.
+    if (acquisition?.outcome !== 'run') engine.inFlight.leave(state)
+  }
+}
+
+async function begin (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string): Promise<Acquisition> {
+  const { settings, reporter } = engine
   const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
   state.started = performance.now()
   state.storageKey = storageKey
   state.fingerprint = fingerprint
   for (let attempt = 0; ; attempt++) {
-    let result
+    let taken
     try {
-      result = await engine.deadline.run('begin', () => storage.begin(storageKey, fingerprint, settings.lockTimeout), (late) => {
-        // Given up, then granted: give the lease back rather than block the key until it lapses.
-        if (late.state === 'acquired') Promise.resolve().then(() => storage.release(storageKey, late.token)).catch(() => {})
-      })
+      taken = await takeLease(engine, storageKey, fingerprint)
     } catch (error) {
-      if (settings.failOpen) {
+      // A value the store cannot read records an operation that may have happened: never run again.
+      if (error instanceof UnreadableEntryError) return unreadable(engine, state, error)
+      // Once close has stopped waiting, the store is closed by the app: never run unprotected then.
+      if (settings.failOpen && !engine.inFlight.closed) {
         reporter.report(state, 'store-error', { phase: 'begin', failOpen: true, error }, 'warn', 'idempotency store unavailable: running the handler without protection (failOpen)')
         return UNPROTECTED
       }
       reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency store unavailable: answering 503')
       return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
     }
+    const { result } = taken
     if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
     if (result.state === 'acquired') {
+      if (engine.inFlight.closed) return await closedMeanwhile(engine, state, result.token)
       state.hold(result.token)
       if (settings.transaction) {
         const refused = await openTransaction(engine, state)
         if (refused !== null) return refused
       }
-      engine.renewal.hold(state)
+      engine.renewal.hold(state, taken.since)
       return RUN
     }
     // A different request under this key is refused whether the first one finished or not.
-    if (result.fingerprint !== fingerprint) {
-      reporter.report(state, 'mismatch', {}, 'debug', 'idempotency key reused with another fingerprint')
-      return { outcome: 'refuse', error: new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode) }
-    }
+    const refusal = fingerprintRefusal(engine, state, result.fingerprint)
+    if (refusal !== null) return { outcome: 'refuse', error: refusal }
     if (result.state === 'completed') return replay(engine, state, storageKey, result.response)
     const now = Date.now()
     if (now >= waitUntil) {
@@ -71,23 +90,39 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
       return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
     }
     await waitForLease(engine, storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
+    if (engine.inFlight.closed) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
   }
 }
 
+/**
+ * A lease granted after closing stopped waiting: the store is about to be closed, so the handler
+ * must not start. The lease is given back at once.
+ */
+async function closedMeanwhile ({ storage, deadline }: RouteEngine, state: RequestState, token: string): Promise<Acquisition> {
+  await deadline.run('release', () => storage.release(state.storageKey, token)).catch(() => {})
+  return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
+}
+
 /** Answer with the stored response, opened first when it is sealed (encryption). */
-function replay ({ cipher, reporter }: RouteEngine, state: RequestState, storageKey: string, stored: StoredResponse): Acquisition {
+function replay (engine: RouteEngine, state: RequestState, storageKey: string, stored: StoredResponse): Acquisition {
+  const { cipher, reporter } = engine
   let response = stored
   if (cipher !== null) {
     try {
       response = cipher.open(storageKey, stored)
     } catch (error) {
-      reporter.report(state, 'unreadable', { error }, 'error', 'idempotency stored response cannot be opened (altered, sealed with a key no longer configured, or not sealed): refused with 409, the handler not run')
-      return { outcome: 'refuse', error: new IdempotencyStoredResponseUnreadableError(state.key, error) }
+      return unreadable(engine, state, error)
     }
   }
   state.replay(response)
   reporter.report(state, 'replay', { statusCode: response.statusCode }, 'debug', 'idempotency replay')
   return { outcome: 'replay', response }
+}
+
+/** What is stored cannot be read (a sealed entry that does not open, another version's layout): 409. */
+function unreadable ({ reporter }: RouteEngine, state: RequestState, error: unknown): Acquisition {
+  reporter.report(state, 'unreadable', { error }, 'error', 'idempotency stored entry cannot be read (sealed with a key no longer configured, altered, not sealed, or of another version\'s layout): refused with 409, the handler not run')
+  return { outcome: 'refuse', error: new IdempotencyStoredResponseUnreadableError(state.key, error) }
 }
 
 /** Before a route has any history, a duplicate is told to come back after this many ms. */

@@ -1,13 +1,14 @@
 /**
  * Keeps the leases of running handlers alive: one timer per route, not one per request (a timer
- * per request was the costliest part of the lease bookkeeping; see bench/analysis.md). Held
- * leases form a linked list through fields on the leases themselves, so taking and dropping one
- * is a few pointer writes: no allocation, no hashing.
+ * per request showed in the profile of first requests, and a Map of leases cost 0.5 to 0.7 µs per
+ * request: docs/benchmarks.md#measurements-behind-the-design). Held leases form a linked list
+ * through fields on the leases themselves, so taking and dropping one is a few pointer writes: no
+ * allocation, no hashing.
  *
  * The timer ticks every `lockTimeout / 4` while leases are held and stops on the first tick that
  * finds none. A tick renews each lease taken or renewed at least `lockTimeout / 8` before, so a
- * lease is first renewed at most 3/8 of `lockTimeout` after it was taken, then every
- * `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
+ * lease is first renewed at most 3/8 of `lockTimeout` after the call that took it was sent, then
+ * every `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
  *
  * No lease is renewed past `maxHold` after it was acquired: the tick that finds it that old drops
  * it and hands it to `expire`, and the store lets it lapse within `lockTimeout`.
@@ -39,11 +40,14 @@ export class LeaseRenewal<Lease extends RenewedLease> {
     this.#expire = expire
   }
 
-  /** Renew `lease` from now on, until `drop`. */
-  hold (lease: Lease): void {
+  /**
+   * Renew `lease` from now on, until `drop`. `since`: when the call that took or last renewed it
+   * was sent, which the store measures the lease from at the earliest (default: now).
+   */
+  hold (lease: Lease, since = Date.now()): void {
     if (lease.renewing) return
     lease.renewing = true
-    lease.renewedAt = Date.now()
+    lease.renewedAt = since
     lease.previousHeld = null
     lease.nextHeld = this.#first
     if (this.#first !== null) this.#first.previousHeld = lease
@@ -52,6 +56,15 @@ export class LeaseRenewal<Lease extends RenewedLease> {
     this.#timer = setInterval(() => { this.#tick() }, this.#period)
     // Never what keeps a process alive: a lease outliving its process lapses, as it must.
     this.#timer.unref()
+  }
+
+  /**
+   * Whether a lease measured from `since` and held from now is renewed in time: its first renewal
+   * is then sent within 3/8 of lockTimeout of `since`, as for any lease held at once. A lease taken
+   * by a call that answered later than this must be renewed by its holder before it is relied on.
+   */
+  inTime (since: number): boolean {
+    return Date.now() - since <= this.#period / 2
   }
 
   drop (lease: Lease): void {

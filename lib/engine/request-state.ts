@@ -8,7 +8,9 @@
  * `idle` covers a request that was refused (mismatch, in progress, store down) too: nothing
  * happens to it after that. Only a request that holds the lease is ever settled, and only once.
  */
+import type { ArrivedBody } from '../fingerprint.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
+import type { FingerprintVerdict } from './fingerprint-check.js'
 import type { RenewedLease } from './lease-renewal.js'
 import type { Logger } from './report.js'
 
@@ -34,14 +36,20 @@ export class RequestState implements RenewedLease {
   /** The stored response this request is answered with; set by `replay`. */
   replayed: StoredResponse | null = null
 
+  /** The body as it arrived, taken before validation (for the hooks). */
+  arrivedBody: ArrivedBody | null = null
   /** With `fingerprint: { body: 'raw' }`: the hash of the raw body, as it is read (for the hooks). */
   rawBody: { digest: (limit: number) => Promise<string> } | null = null
   /** Resolves once this request's response has been handed on to Fastify after settling (for the hooks). */
   handedOn: Promise<void> | null = null
   /** The request's fingerprint; set with `storageKey`. */
   fingerprint = ''
+  /** Compares a stored fingerprint that differs from `fingerprint` as text (set by the hooks; see fingerprint-check.ts). */
+  fingerprinted: { compare: (stored: string) => FingerprintVerdict } | null = null
   /** Names of the steps this run has reached (engine/steps.ts); `null` until the first. */
   steps: Set<string> | null = null
+  /** The route's `storeIf`, bound to this request; `null` when the route has none. */
+  storeIf: ((response: StoredResponse) => boolean | Promise<boolean>) | null = null
   /** The route's `redact`, bound to this request; `null` when the route has none. */
   redact: ((response: StoredResponse) => StoredResponse | Promise<StoredResponse>) | null = null
   /** A `complete` given up on at storeTimeout went through after all. */

@@ -7,6 +7,7 @@ import type { RouteSettings } from '../options.js'
 import { MemoryStorage } from '../storage/memory.js'
 import type { IdempotencyStorage } from '../storage/types.js'
 import { HandlerDurations } from './handler-durations.js'
+import { InFlight } from './in-flight.js'
 import { LeaseRenewal } from './lease-renewal.js'
 import { Reporter } from './report.js'
 import { StoreDeadline } from './store-deadline.js'
@@ -24,16 +25,18 @@ export interface RouteEngine {
   readonly deadline: StoreDeadline
   /** Seals what is stored and opens what is replayed; `null` without encryption. */
   readonly cipher: ResponseCipher | null
+  /** The registration's requests between their first store call and their settling, which closing the app waits for. */
+  readonly inFlight: InFlight
 }
 
-export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string, cipher: ResponseCipher | null = null): RouteEngine {
+export function createRouteEngine (storage: IdempotencyStorage, settings: RouteSettings, route: string, cipher: ResponseCipher | null = null, inFlight = new InFlight()): RouteEngine {
   const reporter = new Reporter(storage.constructor.name, route)
   // The embedded store answers from this process's memory and cannot hang: nothing to bound.
   const deadline = new StoreDeadline(storage instanceof MemoryStorage ? 0 : settings.storeTimeout)
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, settings.maxLockHold,
     (state) => { renewLease(storage, settings, reporter, deadline, state) },
     (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') })
-  return { storage, settings, reporter, renewal, durations: new HandlerDurations(), deadline, cipher }
+  return { storage, settings, reporter, renewal, durations: new HandlerDurations(), deadline, cipher, inFlight }
 }
 
 /** One renewal: the store extends the lease, or says it was lost. */

@@ -8,6 +8,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import type { IdempotencyEvent } from '../diagnostics.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
 import type { RequestState } from './request-state.js'
+import { callOnCopy, storeIfKeeps } from './route-callbacks.js'
 import type { RouteEngine } from './route-engine.js'
 
 /** Why an executed request's response was not stored. */
@@ -37,27 +38,40 @@ const STORED: Settlement = { stored: true, deliverable: true }
  * or `null` to drop the lease for `reason`. `statusCode` is what the client gets, for events.
  */
 export async function settle (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
-  engine.renewal.drop(state)
-  engine.durations.record(performance.now() - state.started)
-  const kept = response === null || state.redact === null ? response : await redacted(state, state.redact, response)
-  const stored = kept === null || engine.cipher === null ? kept : engine.cipher.seal(state.storageKey, kept)
-  const settlement = state.transaction === null
-    ? await settleAlone(engine, state, stored, reason)
-    : await settleTransaction(engine, state, state.transaction, stored, reason)
-  if (settlement.retrying === true) void keepStoring(engine, state, statusCode, stored!, kept!)
-  else reportExecuted(engine, state, statusCode, settlement, kept)
-  return settlement
+  let retrying = false
+  try {
+    engine.renewal.drop(state)
+    engine.durations.record(performance.now() - state.started)
+    // The route's storeIf sees the answer as sent, before redact takes anything out of it.
+    if (response !== null && state.storeIf !== null && !await storeIfKeeps(state, state.storeIf, response, engine.settings.storeTimeout)) {
+      response = null
+      reason = 'declined'
+    }
+    const kept = response === null || state.redact === null ? response : await redacted(state, state.redact, response, engine.settings.storeTimeout)
+    const stored = kept === null || engine.cipher === null ? kept : engine.cipher.seal(state.storageKey, kept)
+    const settlement = state.transaction === null
+      ? await settleAlone(engine, state, stored, reason)
+      : await settleTransaction(engine, state, state.transaction, stored, reason)
+    retrying = settlement.retrying === true
+    if (retrying) void keepStoring(engine, state, statusCode, stored!, kept!)
+    else reportExecuted(engine, state, statusCode, settlement, kept)
+    return settlement
+  } finally {
+    // Storing in the background keeps the request in flight until it ends.
+    if (!retrying) engine.inFlight.leave(state)
+  }
 }
 
 /**
- * What the route's `redact` makes of a copy of `response`. Its status stays. When it throws or
- * returns something that is not a response, only the status is kept: nothing it was meant to
- * take out is stored, and a retry still does not run the handler again.
+ * What the route's `redact` makes of a copy of `response`. Its status stays. When it throws,
+ * returns something that is not a response or does not settle within `timeout`, only the status
+ * is kept: nothing it was meant to take out is stored, and a retry still does not run the handler
+ * again.
  */
-async function redacted (state: RequestState, redact: NonNullable<RequestState['redact']>, response: StoredResponse): Promise<StoredResponse> {
+async function redacted (state: RequestState, redact: NonNullable<RequestState['redact']>, response: StoredResponse, timeout: number): Promise<StoredResponse> {
   const statusOnly: StoredResponse = { statusCode: response.statusCode, contentType: null, headers: {}, body: Buffer.alloc(0), bodyOmitted: true }
   try {
-    const result = await redact({ ...response, headers: { ...response.headers }, body: Buffer.from(response.body) })
+    const result = await callOnCopy('redact', redact, response, timeout)
     const omitted = result?.bodyOmitted === true
     if (result === null || typeof result !== 'object' || (!omitted && !Buffer.isBuffer(result.body)) ||
       (result.headers !== undefined && (result.headers === null || typeof result.headers !== 'object'))) {
@@ -107,15 +121,18 @@ const LAST_STORE_RETRY_MS = 2000
  * Store the response after a failed attempt: renew the lease meanwhile, and try again with a
  * back-off until the store takes it, the lease is lost, or `maxLockHold` has passed since the lease
  * was acquired (then the lease lapses, and a retry of the request runs the handler again: said
- * loudly, in the log and on the diagnostics channels).
+ * loudly, in the log and on the diagnostics channels). Closing the app waits for it up to
+ * `closeTimeout`; past that it gives up, as the store is about to be closed.
  */
 async function keepStoring (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse, kept: StoredResponse): Promise<void> {
-  const { settings, reporter, renewal } = engine
-  renewal.hold(state)
+  const { settings, reporter, renewal, inFlight } = engine
+  // From the last renewal sent, not from now: the failed attempt took time the lease did not wait for.
+  renewal.hold(state, state.renewedAt)
   let settlement: Settlement = { stored: false, reason: 'store-error', deliverable: true }
   for (let pause = FIRST_STORE_RETRY_MS; Date.now() - state.acquiredAt < settings.maxLockHold; pause = Math.min(pause * 2, LAST_STORE_RETRY_MS)) {
     // Unreferenced: a pending retry never keeps the process alive on its own.
     await sleep(pause, undefined, { ref: false })
+    if (inFlight.closed) break
     try {
       // An attempt given up on may have gone through after all: the lease is then gone because
       // the response is stored, not because it was lost.
@@ -131,10 +148,12 @@ async function keepStoring (engine: RouteEngine, state: RequestState, statusCode
     }
   }
   renewal.drop(state)
-  if (!settlement.stored && settlement.reason === 'store-error') {
+  // Given up at close: closing the app said so already, for every request it stopped waiting for.
+  if (!settlement.stored && settlement.reason === 'store-error' && !inFlight.closed) {
     reporter.report(state, 'store-error', { phase: 'complete' }, 'error', 'idempotency store refused the response until maxLockHold: gave up storing it; the lease lapses and a retry runs the handler again')
   }
   reportExecuted(engine, state, statusCode, settlement, kept)
+  inFlight.leave(state)
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
@@ -159,9 +178,10 @@ async function settleTransaction ({ storage, settings, reporter, deadline }: Rou
   await deadline.run('release', () => storage.release(state.storageKey, state.token)).catch((error: unknown) => {
     reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency lease could not be released: the key stays locked until its lease lapses')
   })
-  // An error answer rolled back is what the client expects; a success whose writes were rolled
-  // back (lease lost, commit failed, or a body that cannot be stored) is not.
-  const deliverable = reason === 'not-cacheable' || reason === 'failed' || reason === 'hijacked'
+  // An error answer rolled back is what the client expects, and so is one its route's storeIf
+  // declined (a retry runs it again, so its writes must not stay); a success whose writes were
+  // rolled back (lease lost, commit failed, or a body that cannot be stored) is not.
+  const deliverable = reason === 'not-cacheable' || reason === 'declined' || reason === 'failed' || reason === 'hijacked'
   return { stored: false, reason, deliverable }
 }
 

@@ -5,21 +5,25 @@
  * returns its recorded result instead of running again.
  *
  * A step's record is an entry of its own in the same store, under a key derived from the
- * request's storage key and the step's name, taken with `begin` and written with `complete` like
+ * request's storage key and the step's name (under a prefix of the request's own, so that
+ * `forget` removes a request's records with it), taken with `begin` and written with `complete` like
  * any response: a step that two runs reach at once runs once (the other gets 409 in progress), a
  * different fingerprint is refused, and the record expires `expiration` after it was written. It
- * needs nothing from a store beyond the storage contract, so every store has it, custom ones too.
+ * needs nothing from a store beyond the storage interface, so every store has it, custom ones too.
  */
 import { hash } from 'node:crypto'
 import {
-  IdempotencyFingerprintMismatchError,
   IdempotencyRequestInProgressError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError
 } from '../errors.js'
 import type { StorageTransaction, StoredResponse, TransactionalStorage } from '../storage/types.js'
+import { orLegacyRecord } from './legacy-steps.js'
+import { UnreadableEntryError } from '../storage/unreadable-entry.js'
+import { fingerprintRefusal } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
+import { takeLease } from './take-lease.js'
 
 /** What a step's `fn` receives. */
 export interface StepContext {
@@ -40,6 +44,21 @@ export type StepFunction<T> = (context: StepContext) => T | Promise<T>
 
 /** Marks a step's storage key: apart from every request key (see storage-key.ts). */
 const STEP_KEY_PREFIX = '\u0000step:'
+
+/**
+ * Every record of the recovery points of the request stored under `storageKey` is under a key
+ * that starts with this, and no other key does: a request's key has no NUL, or a line feed after
+ * it, or is a hash of one fixed length (storage-key.ts), and earlier versions kept records under
+ * the marker and a hash alone, shorter than this.
+ */
+export function stepRecordPrefix (storageKey: string): string {
+  return `${STEP_KEY_PREFIX}${hash('sha256', storageKey, 'base64url')}:`
+}
+
+/** Whether a storage key is a step's record (of this version or an earlier one), not a request's. */
+export function isStepRecordKey (key: string): boolean {
+  return key.startsWith(STEP_KEY_PREFIX)
+}
 /** Distinct steps one request may run: a loop that makes a step per item should batch them instead. */
 export const MAX_STEPS = 100
 const MAX_NAME_LENGTH = 200
@@ -64,24 +83,28 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   names.add(name)
   if (names.size > MAX_STEPS) throw new RangeError(`fastify-idempotency: a request may run at most ${MAX_STEPS} distinct steps`)
 
-  const { storage, settings, deadline } = engine
+  const { storage, settings } = engine
   if (settings.transaction && (storage as TransactionalStorage).singleConnection === true) {
     throw new TypeError(`fastify-idempotency: step '${name}': recovery points in transaction mode need a database that serves a second connection beside the request's transaction (PostgreSQL, MySQL/MariaDB); SQLite has one`)
   }
-  const stepKey = STEP_KEY_PREFIX + hash('sha256', `${state.storageKey}\n${name}`, 'base64url')
+  const recordHash = hash('sha256', `${state.storageKey}\n${name}`, 'base64url')
+  const stepKey = stepRecordPrefix(state.storageKey) + recordHash
   let result
+  let recordKey = stepKey
   try {
-    result = await deadline.run('begin', () => storage.begin(stepKey, state.fingerprint, settings.lockTimeout))
+    result = (await takeLease(engine, stepKey, state.fingerprint)).result
+    if (result.state === 'acquired') ({ result, recordKey } = await orLegacyRecord(engine, state.fingerprint, stepKey, result, STEP_KEY_PREFIX + recordHash))
   } catch (error) {
-    throw new IdempotencyStoreUnavailableError(state.key, error)
+    throw error instanceof UnreadableEntryError ? new IdempotencyStoredResponseUnreadableError(state.key, error) : new IdempotencyStoreUnavailableError(state.key, error)
   }
-  if (result.state !== 'acquired' && result.fingerprint !== state.fingerprint) {
-    throw new IdempotencyFingerprintMismatchError(state.key, settings.mismatchStatusCode)
+  if (result.state !== 'acquired') {
+    const refusal = fingerprintRefusal(engine, state, result.fingerprint)
+    if (refusal !== null) throw refusal
   }
   if (result.state === 'in-flight') {
     throw new IdempotencyRequestInProgressError(state.key, Math.max(0.1, (result.lockExpiresAt - Date.now()) / 1000))
   }
-  if (result.state === 'completed') return recorded<T>(engine, state, name, stepKey, result.response)
+  if (result.state === 'completed') return recorded<T>(engine, state, name, recordKey, result.response)
   return await record(engine, state, name, { stepKey, token: result.token, key: downstream.key }, fn)
 }
 

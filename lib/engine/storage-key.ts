@@ -39,3 +39,14 @@ export function storageKey (key: string, scope: string | null, keyedHash?: (comp
   // UTF-16 code units, so lone surrogates hash apart.
   return HASHED_KEY_PREFIX + hash('sha256', Buffer.from(composed, 'utf16le'), 'base64url')
 }
+
+/**
+ * The client's key and the scope a storage key was composed of, as far as it says: a hashed key
+ * (long, ill-formed, or with encryption, a keyed hash) says neither.
+ */
+export function storageKeyParts (key: string): { key: string, scope: string | null } | null {
+  if (key.startsWith('\u0000')) return null
+  // The client's key never holds a line feed: the last one ends the scope.
+  const end = key.lastIndexOf('\n')
+  return end === -1 ? { key, scope: null } : { key: key.slice(end + 1), scope: key.slice(0, end) }
+}

@@ -1,7 +1,7 @@
 /**
  * Every store call the plugin makes is bounded by `storeTimeout`, whatever the client library's
  * own settings (a database that accepts connections and never answers, a row locked by another
- * session, an exhausted pool, ioredis queueing commands while it reconnects): past it the call is
+ * transaction, an exhausted pool, ioredis queueing commands while it reconnects): past it the call is
  * given up and the request gets its answer (503 before the handler, a retry after it).
  *
  * One timer per route, not one per call: pending calls form a linked list, and a tick every
@@ -11,6 +11,7 @@
 
 /** A store call that did not answer within `storeTimeout`. */
 export class StoreTimeoutError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_STORE_TIMEOUT'
   constructor (operation: string, timeout: number) {
     super(`fastify-idempotency: the store did not answer ${operation} within ${timeout} ms (storeTimeout)`)
     this.name = 'StoreTimeoutError'

@@ -1,7 +1,7 @@
 import { LRUCache } from 'lru-cache'
 import { duration } from './durations.js'
-import { TokenGenerator } from './tokens.js'
-import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+import { TokenGenerator, tokenIssuedAt } from './tokens.js'
+import type { BeginResult, StorageForgetOptions, StorageForgetResult, HeldLease, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from './types.js'
 import { KeyWaiters } from './waiters.js'
 
 export interface MemoryStorageOptions {
@@ -22,6 +22,7 @@ interface Lease {
 interface Entry {
   fingerprint: string
   response: StoredResponse
+  storedAt: number
   expiresAt: number
 }
 
@@ -107,7 +108,7 @@ export class MemoryStorage implements IdempotencyStorage {
     if (lease !== undefined && lease.expiresAt > now) {
       return { state: 'in-flight', fingerprint: lease.fingerprint, lockExpiresAt: lease.expiresAt }
     }
-    const token = this.#tokens.next()
+    const token = this.#tokens.next(now)
     this.#leases.set(key, { token, fingerprint, expiresAt: now + length })
     return { state: 'acquired', token }
   }
@@ -122,7 +123,7 @@ export class MemoryStorage implements IdempotencyStorage {
     // and keeping the slice would keep the whole slab alive, unseen by `maxBytes`.
     const body = Buffer.allocUnsafeSlow(response.body.length)
     response.body.copy(body)
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, expiresAt: now + ttl })
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: { ...response, body }, storedAt: now, expiresAt: now + ttl })
     this.#notify(key)
     if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
     else if (this.#writesSinceSweep % OLDEST_CHECK_EVERY_WRITES === 0) this.#dropOldestExpired(now)
@@ -152,6 +153,44 @@ export class MemoryStorage implements IdempotencyStorage {
     await this.#waiters.add(key, wait).promise
   }
 
+  async inspect (key: string): Promise<StoredState> {
+    const now = this.#now()
+    // `peek`: looking does not make an entry recently used.
+    const entry = this.#entries.peek(key)
+    if (entry !== undefined && entry.expiresAt > now) {
+      return { state: 'completed', fingerprint: entry.fingerprint, response: entry.response, storedAt: entry.storedAt, expiresAt: entry.expiresAt }
+    }
+    const lease = this.#leases.get(key)
+    if (lease !== undefined && lease.expiresAt > now) {
+      return { state: 'in-flight', fingerprint: lease.fingerprint, lockExpiresAt: lease.expiresAt, since: tokenIssuedAt(lease.token) }
+    }
+    return { state: 'absent' }
+  }
+
+  async forget (key: string, options: StorageForgetOptions): Promise<StorageForgetResult> {
+    const found = await this.inspect(key)
+    if (found.state === 'in-flight' && !options.force) return { outcome: 'refused', lockExpiresAt: found.lockExpiresAt }
+    this.#remove(key)
+    let related = 0
+    const prefix = options.relatedPrefix
+    // Every key is looked at: forgetting is rare, and the keys of one request are not kept together.
+    for (const candidate of new Set([...this.#entries.keys(), ...this.#leases.keys()])) {
+      if (candidate.startsWith(prefix) && this.#remove(candidate)) related++
+    }
+    return { outcome: 'forgotten', previous: found.state, related }
+  }
+
+  async listInFlight (options: { limit: number }): Promise<LeaseListing> {
+    const now = this.#now()
+    const leases: HeldLease[] = []
+    for (const [key, lease] of this.#leases) {
+      if (lease.expiresAt <= now) continue
+      if (leases.length === options.limit) return { leases, complete: false }
+      leases.push({ key, fingerprint: lease.fingerprint, lockExpiresAt: lease.expiresAt, since: tokenIssuedAt(lease.token) })
+    }
+    return { leases, complete: true }
+  }
+
   async close (): Promise<void> {
     this.#waiters.wakeAll()
     this.#leases.clear()
@@ -160,6 +199,14 @@ export class MemoryStorage implements IdempotencyStorage {
 
   #notify (key: string): void {
     this.#waiters.wake(key)
+  }
+
+  /** Drop the entry and the lease under `key`; whether there was either. A request waiting for the lease is woken. */
+  #remove (key: string): boolean {
+    const entry = this.#entries.delete(key)
+    const lease = this.#leases.delete(key)
+    if (lease) this.#notify(key)
+    return entry || lease
   }
 
   #heldLease (key: string, token: string, now = this.#now()): Lease | undefined {

@@ -2,8 +2,10 @@ import { isUtf8 } from 'node:buffer'
 import { createHash } from 'node:crypto'
 import type { Cluster, Redis } from 'ioredis'
 import { duration } from './durations.js'
-import { TOKEN_LENGTH, TokenGenerator } from './tokens.js'
-import type { BeginResult, IdempotencyStorage, StoredResponse } from './types.js'
+import { forgetKey, inspectKey, listLeases, type RedisView } from './redis-operations.js'
+import { TOKEN_LENGTH, TokenGenerator, tokenIssuedAt } from './tokens.js'
+import type { BeginCompleted, BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from './types.js'
+import { UnreadableEntryError } from './unreadable-entry.js'
 import { KeyWaiters, type Waiter } from './waiters.js'
 
 export interface RedisStorageOptions {
@@ -22,12 +24,17 @@ export interface RedisStorageOptions {
  *   lease:  'L' <token: 36 chars> <waiters: '-' or 'W'> <lease end: epoch ms> '|' <fingerprint>
  *   entry:  'C' <fingerprint length> '|' <fingerprint> <head length> '|' <head> <body bytes>
  *
- * where head is the JSON `[status, contentType, headers]` (lengths in bytes, in decimal)
+ * where head is the JSON `[status, contentType, headers, bodyOmitted (1 or 0), stored at: epoch ms]`
+ * (entries of earlier versions end after headers or bodyOmitted; lengths in bytes, in decimal).
+ * The first byte is also the layout's version: a later layout takes another letter, and a value
+ * whose first byte this version does not know (or that does not parse) is refused as unreadable
+ * (UnreadableEntryError), never overwritten: `SET NX` leaves it as it is.
  *
  * so that `begin` is Redis's own `SET key <lease> PX <lockTimeout> NX GET`: it takes the lease
  * when the key is free and otherwise returns what is there, in one native command and one round
  * trip, with no script. A replay then costs what a GET costs, plus the lease value sent along
- * (a hash read by a Lua script, the first design, cost far more: see bench/analysis.md).
+ * (a hash read by a Lua script cost Redis two to three times as much per replay:
+ * docs/benchmarks.md#measurements-behind-the-design).
  * The key's PX expiry is the lease while in flight and the entry's lifetime once completed, so
  * Redis drops both on time.
  *
@@ -104,7 +111,8 @@ interface ScriptingClient {
  * on each client and whenever the server answers NOSCRIPT: after a restart, a failover or a
  * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Called directly rather than
  * through ioredis's `defineCommand`, whose wrapper adds an extra promise, a callback adapter and a
- * rejection hook to every call (what that cost is in bench/analysis.md).
+ * rejection hook to every call (8.2 against 10.6 µs of client CPU per call:
+ * docs/benchmarks.md#measurements-behind-the-design).
  */
 class Script {
   readonly #lua: string
@@ -137,8 +145,8 @@ const MARK_WAITING = new Script(MARK_WAITING_LUA)
 type SetNxGet = (key: string, value: string, px: 'PX', ttl: number, nx: 'NX', get: 'GET') => Promise<Buffer | null>
 type Subscriber = (Redis | Cluster) & { on: (event: string, listener: (...args: unknown[]) => void) => unknown }
 
-/** The fourth element, 1, only when the body was omitted. */
-type Head = [statusCode: number, contentType: string | null, headers: StoredResponse['headers'], bodyOmitted?: 1]
+/** The fourth element is 1 when the body was omitted; both last ones are absent from entries of earlier versions. */
+type Head = [statusCode: number, contentType: string | null, headers: StoredResponse['headers'], bodyOmitted?: 0 | 1, storedAt?: number]
 
 const LEASE = 0x4c // 'L'
 const ENTRY = 0x43 // 'C'
@@ -165,7 +173,10 @@ function leasePrefix (token: string): string {
 function decodeBegin (value: Buffer | null, token: string, fingerprint: string): BeginResult {
   if (value === null) return { state: 'acquired', token: token + fingerprint }
   const bar = value.indexOf(BAR, 1)
-  if (value[0] === LEASE) {
+  if (value[0] === LEASE && bar !== -1) {
+    // This very SET, sent again: ioredis resends the commands a lost connection left unanswered,
+    // and the first one had taken the lease.
+    if (value.toString('latin1', 1, LEASE_PREFIX_LENGTH) === token) return { state: 'acquired', token: token + fingerprint }
     return {
       state: 'in-flight',
       fingerprint: value.toString('latin1', bar + 1),
@@ -173,29 +184,48 @@ function decodeBegin (value: Buffer | null, token: string, fingerprint: string):
       lockExpiresAt: Number(value.toString('latin1', LEASE_PREFIX_LENGTH + 1, bar))
     }
   }
-  if (value[0] !== ENTRY || bar === -1) throw new Error('RedisStorage: the value under this key was not written by RedisStorage')
+  if (value[0] !== ENTRY || bar === -1) throw new UnreadableEntryError('RedisStorage: the value under this key is not in a layout this version knows (written by another version, or not by RedisStorage)')
+  try {
+    return decodeEntry(value, bar)
+  } catch (error) {
+    throw new UnreadableEntryError('RedisStorage: the entry under this key is damaged', { cause: error })
+  }
+}
+
+/** An entry's value: what `begin` replays, and when it was stored (`null` for an entry of an earlier version). */
+function decodeEntry (value: Buffer, bar: number): BeginCompleted & { storedAt: number | null } {
   const fingerprintEnd = bar + 1 + Number(value.toString('latin1', 1, bar))
   const headBar = value.indexOf(BAR, fingerprintEnd)
   const headEnd = headBar + 1 + Number(value.toString('latin1', fingerprintEnd, headBar))
   const head = JSON.parse(value.toString('utf8', headBar + 1, headEnd)) as Head
+  if (!Array.isArray(head) || typeof head[0] !== 'number') throw new TypeError('the head of the entry is not [status, contentType, headers]')
   return {
     state: 'completed',
     fingerprint: value.toString('latin1', bar + 1, fingerprintEnd),
     // A view into the reply, not a copy: the reply buffer is ours alone.
     response: head[3] === 1
       ? { statusCode: head[0], contentType: head[1], headers: head[2], body: value.subarray(headEnd), bodyOmitted: true }
-      : { statusCode: head[0], contentType: head[1], headers: head[2], body: value.subarray(headEnd) }
+      : { statusCode: head[0], contentType: head[1], headers: head[2], body: value.subarray(headEnd) },
+    storedAt: head[4] ?? null
   }
+}
+
+/** A value as `inspect` reports it; an entry's expiry is the key's remaining time to live (`ttl` ms). */
+function decodeStored (value: Buffer, ttl: number): StoredState {
+  const found = decodeBegin(value, '', '')
+  if (found.state === 'in-flight') return { ...found, since: tokenIssuedAt(value.toString('latin1', 1, LEASE_PREFIX_LENGTH)) }
+  const { fingerprint, response, storedAt } = found as ReturnType<typeof decodeEntry>
+  return { state: 'completed', fingerprint, response, storedAt, expiresAt: Date.now() + ttl }
 }
 
 /**
  * The whole entry value, as END_LEASE_LUA stores it. A string when the body is valid UTF-8 (a
  * JSON body always is): it encodes back to the same bytes, and ioredis writes a command of
- * strings in one piece, where a Buffer argument costs it several copies (bench/analysis.md). Any
- * other body goes as bytes.
+ * strings in one piece, where a Buffer argument costs it several copies
+ * (docs/benchmarks.md#measurements-behind-the-design). Any other body goes as bytes.
  */
 function encodeEntry (fingerprint: string, response: StoredResponse): string | Buffer {
-  const head = JSON.stringify((response.bodyOmitted === true ? [response.statusCode, response.contentType, response.headers, 1] : [response.statusCode, response.contentType, response.headers]) satisfies Head)
+  const head = JSON.stringify([response.statusCode, response.contentType, response.headers, response.bodyOmitted === true ? 1 : 0, Date.now()] satisfies Head)
   const text = `C${Buffer.byteLength(fingerprint)}|${fingerprint}${Buffer.byteLength(head)}|${head}`
   return isUtf8(response.body) ? text + response.body.toString('utf8') : Buffer.concat([Buffer.from(text), response.body])
 }
@@ -211,6 +241,8 @@ export class RedisStorage implements IdempotencyStorage {
   readonly #getBuffer: (key: string) => Promise<Buffer | null>
   readonly #open: string
   readonly #tokens = new TokenGenerator()
+  /** What the operations (inspect, forget, listInFlight) see of this storage. */
+  readonly #view: RedisView
   #subscriber: Promise<Subscriber> | null = null
   /** Requests waiting, per channel; the last one gone unsubscribes from it. */
   readonly #waiters = new KeyWaiters((channel) => {
@@ -233,6 +265,7 @@ export class RedisStorage implements IdempotencyStorage {
     this.#setNxGet = (client as unknown as { setBuffer: SetNxGet }).setBuffer.bind(client)
     this.#getBuffer = (client as unknown as { getBuffer: (key: string) => Promise<Buffer | null> }).getBuffer.bind(client)
     this.#open = prefix + '{'
+    this.#view = { client: options.client, open: this.#open, redisKey: (key) => this.redisKey(key), channel: (redisKey) => this.#channel(redisKey), decode: decodeStored }
   }
 
   /**
@@ -252,9 +285,15 @@ export class RedisStorage implements IdempotencyStorage {
     try {
       value = await this.#setNxGet(redisKey, lease, 'PX', ms, 'NX', 'GET')
     } catch (error) {
+      if (!(error instanceof Error) || error.name !== 'ReplyError') {
+        // Sent but unanswered (a command timeout, a connection lost for good): the SET may have
+        // taken the lease. Give it back, fenced by this call's token, once Redis can be reached.
+        this.release(key, token).catch(() => {})
+        throw error
+      }
       // A Redis full under noeviction refuses SET even for a key that exists; what is there can
       // still be read, so a replay or an in-flight answer does not fail with it.
-      if (!(error instanceof Error) || !error.message.startsWith('OOM')) throw error
+      if (!error.message.startsWith('OOM')) throw error
       const existing = await this.#getBuffer(redisKey)
       if (existing === null) throw error
       value = existing
@@ -304,6 +343,20 @@ export class RedisStorage implements IdempotencyStorage {
     } catch (error) {
       waiter.settle(error)
     }
+  }
+
+  async inspect (key: string): Promise<StoredState> {
+    return await inspectKey(this.#view, key)
+  }
+
+  /** Related keys are found with SCAN over the whole keyspace: it never blocks Redis, and takes as long as the keyspace is large. */
+  async forget (key: string, options: StorageForgetOptions): Promise<StorageForgetResult> {
+    return await forgetKey(this.#view, key, options)
+  }
+
+  /** A SCAN of the keys under the prefix, which stops after 1,000,000 keys (`complete: false`). */
+  async listInFlight (options: { limit: number }): Promise<LeaseListing> {
+    return await listLeases(this.#view, options.limit)
   }
 
   /** Ends the subscriber connection this storage opened; the client itself belongs to the caller. */

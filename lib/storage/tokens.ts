@@ -1,18 +1,40 @@
 /**
- * Fencing tokens: a random prefix per store instance (128 bits) and a counter, unique across
- * processes and cheaper than a UUID each. Padded to one fixed length, which RedisStorage's lease
- * layout needs.
+ * Fencing tokens: the time the lease was taken, a random prefix per store instance (90 bits) and
+ * a counter, unique across processes and cheaper than a UUID each. One fixed length, which
+ * RedisStorage's lease layout needs.
+ *
+ *   '.' <issue time: epoch ms, 9 base-36 digits> <random: 15 base64url> <counter: 11 base-36 digits>
+ *
+ * The issue time is what lets every store say since when a lease is held (`inspect`,
+ * `listInFlight`) without writing anything more on the request path. Tokens of earlier versions
+ * (a random prefix and a counter, no '.') are still valid tokens: their leases only have no known
+ * start.
  */
 import { randomBytes } from 'node:crypto'
 
 /** The length of every token. */
 export const TOKEN_LENGTH = 36
 
+/** Marks a token that starts with its issue time; base64url never produces it. */
+const DATED = '.'
+const TIME_DIGITS = 9
+const RANDOM_CHARS = 15
+const COUNTER_DIGITS = TOKEN_LENGTH - 1 - TIME_DIGITS - RANDOM_CHARS
+
 export class TokenGenerator {
-  readonly #prefix = randomBytes(16).toString('base64url')
+  readonly #random = randomBytes(12).toString('base64url').slice(0, RANDOM_CHARS)
   #count = 0
 
-  next (): string {
-    return this.#prefix + (++this.#count).toString(36).padStart(TOKEN_LENGTH - this.#prefix.length, '0')
+  /** A new token, dated `now` (epoch ms). */
+  next (now: number = Date.now()): string {
+    return DATED + Math.floor(now).toString(36).padStart(TIME_DIGITS, '0') + this.#random +
+      (++this.#count).toString(36).padStart(COUNTER_DIGITS, '0')
   }
+}
+
+/** When a token was issued (epoch ms), or `null` for a token that does not say (another store's, an earlier version's). */
+export function tokenIssuedAt (token: string | null | undefined): number | null {
+  if (typeof token !== 'string' || token.length < 1 + TIME_DIGITS || token[0] !== DATED) return null
+  const issued = parseInt(token.slice(1, 1 + TIME_DIGITS), 36)
+  return Number.isSafeInteger(issued) ? issued : null
 }

@@ -1,5 +1,5 @@
 /**
- * The storage contract every provider implements (the seed's `IIdempotencyStorage`).
+ * The storage interface every provider implements.
  *
  * A provider knows nothing about HTTP or fingerprints beyond storing them: the plugin decides
  * replay, refusal or execution from what `begin` returns. What a provider must guarantee is
@@ -87,6 +87,93 @@ export interface IdempotencyStorage {
 
   /** Free what the provider created itself. Never closes a client it was given. */
   close? (): Promise<void>
+
+  /*
+   * Operations (docs/operations.md): optional. A store without them serves requests as well;
+   * `fastify.idempotency` and the command then say the operation is not supported. The
+   * conformance suite tests each one a store lists in its `operations` option.
+   */
+
+  /** Optional: what is held under `key` now (a live entry or lease), read without changing anything. */
+  inspect? (key: string): Promise<StoredState>
+
+  /**
+   * Optional: remove the entry under `key`, and every key that starts with
+   * `options.relatedPrefix` (the records of the request's recovery points; the plugin derives the
+   * prefix so that no other key starts with it). A key in flight (a live lease) is left as it is,
+   * related keys included, and reported `refused`, unless `options.force`: then the lease goes
+   * too, its holder's token is fenced off, and requests waiting for it are woken.
+   */
+  forget? (key: string, options: StorageForgetOptions): Promise<StorageForgetResult>
+
+  /**
+   * Optional: the live leases, up to `options.limit` of them, in no particular order. `complete`
+   * is `false` when there may be more than those returned (over the limit, or a store that
+   * stopped a bounded scan early).
+   */
+  listInFlight? (options: { limit: number }): Promise<LeaseListing>
+
+  /** Optional: delete expired entries and lapsed leases, for stores that do not drop them themselves; how many went. */
+  purgeExpired? (): Promise<number>
+}
+
+/** What `inspect` finds under a key. */
+export type StoredState = StoredAbsent | StoredInFlight | StoredCompleted
+
+/** Nothing live under the key: never used, expired, released or forgotten. */
+export interface StoredAbsent {
+  state: 'absent'
+}
+
+/** A request holds the lease. */
+export interface StoredInFlight {
+  state: 'in-flight'
+  /** Fingerprint of the request that holds the lease. */
+  fingerprint: string
+  /** When the lease lapses unless renewed, epoch ms. */
+  lockExpiresAt: number
+  /** When the lease was taken, epoch ms, or `null` when the store does not know. */
+  since: number | null
+}
+
+/** A stored response, as `begin` would replay it. */
+export interface StoredCompleted {
+  state: 'completed'
+  fingerprint: string
+  response: StoredResponse
+  /** When it was stored, epoch ms, or `null` when the store does not know (an entry stored by an earlier version). */
+  storedAt: number | null
+  /** When it expires, epoch ms. */
+  expiresAt: number
+}
+
+export interface StorageForgetOptions {
+  /** Remove a live lease too (a request in flight). */
+  force: boolean
+  /** Remove every key that starts with this too. */
+  relatedPrefix: string
+}
+
+export type StorageForgetResult =
+  /** Removed; `previous` says what was under the key, `related` how many related keys went. */
+  | { outcome: 'forgotten', previous: 'completed' | 'in-flight' | 'absent', related: number }
+  /** The key is in flight and `force` was not set: nothing was changed. */
+  | { outcome: 'refused', lockExpiresAt: number }
+
+/** One live lease, as `listInFlight` lists it. */
+export interface HeldLease {
+  /** The key as the store was given it. */
+  key: string
+  fingerprint: string
+  lockExpiresAt: number
+  /** When the lease was taken, epoch ms, or `null` when the store does not know. */
+  since: number | null
+}
+
+export interface LeaseListing {
+  leases: HeldLease[]
+  /** `false` when there may be leases that are not listed. */
+  complete: boolean
 }
 
 /**

@@ -7,9 +7,13 @@ import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { Redis } from 'ioredis'
 import knexFactory from 'knex'
+import { bundle } from './bundle.js'
 import { REDIS, deleteRedisPrefix, mysqlConnection, pgConnection } from './services.js'
 
 const fixture = fileURLToPath(new URL('../fixtures/server.ts', import.meta.url))
+/** The fixture as one module, bundled once per test process: the servers start as plain node. */
+let program: Promise<string> | undefined
+const bundled = (): Promise<string> => (program ??= bundle(fixture, fileURLToPath(new URL('../../.tmp/bundles', import.meta.url))))
 
 export interface ServerProcess {
   port: number
@@ -21,7 +25,7 @@ export interface ServerProcess {
 }
 
 export async function startServer (env: Record<string, string>): Promise<ServerProcess> {
-  const child = spawn(process.execPath, ['--import', 'tsx', fixture], {
+  const child = spawn(process.execPath, [await bundled()], {
     env: { ...process.env, ...env },
     stdio: ['ignore', 'pipe', 'pipe']
   })

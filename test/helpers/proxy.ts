@@ -1,8 +1,9 @@
 /**
  * A TCP proxy on a free loopback port in front of a real server, which a test can cut (every
- * connection reset, new ones refused) or hang (every connection, old and new, accepted and never
- * answered: a server that is up but does not respond) and restore, to stage an outage without
- * touching the shared server.
+ * connection reset, new ones refused), hang (every connection, old and new, accepted and never
+ * answered: a server that is up but does not respond) or mute (what clients send reaches the
+ * server, its answers do not come back: a connection lost after a command ran) and restore, to
+ * stage an outage without touching the shared server.
  */
 import { createServer, connect, type Server, type Socket } from 'node:net'
 
@@ -15,6 +16,8 @@ export interface Proxy {
    * paused, then resumed); new connections are accepted and wait too.
    */
   hang: () => void
+  /** Deliver what clients send; hold back what the server answers until `restore` (a `cut` loses it). */
+  mute: () => void
   restore: () => void
   close: () => Promise<void>
 }
@@ -23,22 +26,27 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
   const sockets = new Set<Socket>()
   let down = false
   let hung = false
+  let muted = false
+  /** Each server-side socket and the client it answers. */
+  const answers = new Map<Socket, Socket>()
   /** Connections accepted while hung, forwarded once restored. */
   const held = new Set<Socket>()
   const forward = (client: Socket): void => {
     const upstream = connect({ host: targetHost, port: targetPort })
     sockets.add(client)
     sockets.add(upstream)
+    answers.set(upstream, client)
     const drop = () => {
       client.destroy()
       upstream.destroy()
       sockets.delete(client)
       sockets.delete(upstream)
+      answers.delete(upstream)
     }
     client.on('error', drop).on('close', drop)
     upstream.on('error', drop).on('close', drop)
     client.pipe(upstream)
-    upstream.pipe(client)
+    if (!muted) upstream.pipe(client)
   }
   const server: Server = createServer((client) => {
     if (down) {
@@ -66,8 +74,17 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
       // Nothing is read from either side: what is sent waits in the sockets' buffers.
       for (const socket of sockets) socket.pause()
     },
+    mute: () => {
+      muted = true
+      // What the server sends waits in its sockets' buffers.
+      for (const upstream of answers.keys()) upstream.unpipe()
+    },
     restore: () => {
       down = false
+      if (muted) {
+        muted = false
+        for (const [upstream, client] of answers) upstream.pipe(client)
+      }
       if (!hung) return
       hung = false
       for (const socket of sockets) socket.resume()

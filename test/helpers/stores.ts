@@ -29,6 +29,24 @@ export interface StoreCase {
   dump?: () => Promise<string>
   /** The SQL stores: the knex instance `create` made, for a test's own tables. */
   knex?: () => Knex
+  /**
+   * Another storage on the namespace of the last `create`, through a client of its own, and how
+   * to close that client: what an app that closes its client in `onClose` uses (an app after a
+   * restart, say). The in-process store gives the same storage, with nothing to close.
+   */
+  open: () => Promise<{ storage: IdempotencyStorage, close: () => Promise<void> }>
+  /**
+   * Another storage on the namespace `create` made (the same Redis prefix, the same table), built
+   * with the given classes: another version of the package sharing the store. Absent for the
+   * in-process store.
+   */
+  sibling?: (classes: StorageClasses) => IdempotencyStorage
+}
+
+/** The store classes of some version of the package. */
+export interface StorageClasses {
+  RedisStorage: new (options: { client: Redis, prefix?: string }) => IdempotencyStorage
+  KnexStorage: new (options: { knex: Knex, tableName?: string, createTable?: boolean }) => IdempotencyStorage
 }
 
 /** Bytes as a reader of a dump sees them: as text, whatever their encoding. */
@@ -58,6 +76,11 @@ function redisCase (available: boolean, reason: string): StoreCase {
       await deleteRedisPrefix(client, prefix)
       await client.quit()
     },
+    open: async () => {
+      const own = new Redis({ host: REDIS.host, port: REDIS.port, enableAutoPipelining: true })
+      return { storage: new RedisStorage({ client: own, prefix }), close: async () => { await own.quit() } }
+    },
+    sibling: (classes) => new classes.RedisStorage({ client: client!, prefix }),
     dump: async () => {
       const keys = await client!.keysBuffer(`${prefix}*`)
       const lines = await Promise.all(keys.map(async (key) => `${readable(key)} = ${readable(await client!.getBuffer(key))}`))
@@ -85,6 +108,11 @@ function knexCase (name: string, available: boolean, reason: string, connect: ()
       dispose()
     },
     knex: () => knex!,
+    open: async () => {
+      const own = connect()
+      return { storage: new KnexStorage({ knex: own, tableName: table, createTable: true }), close: async () => { await own.destroy() } }
+    },
+    sibling: (classes) => new classes.KnexStorage({ knex: knex!, tableName: table, createTable: true }),
     dump: async () => {
       const rows = await knex!(table).select('*') as Array<Record<string, unknown>>
       return rows.map((row) => Object.entries(row).map(([column, value]) => `${column}=${readable(value)}`).join(' | ')).join('\n')
@@ -92,11 +120,23 @@ function knexCase (name: string, available: boolean, reason: string, connect: ()
   }
 }
 
+function memoryCase (): StoreCase {
+  let storage = new MemoryStorage()
+  return {
+    name: 'memory',
+    available: true,
+    reason: '',
+    create: async () => (storage = new MemoryStorage()),
+    cleanup: async () => {},
+    open: async () => ({ storage, close: async () => {} })
+  }
+}
+
 export async function storeCases (): Promise<StoreCase[]> {
   const [redis, postgres, mariadb] = await Promise.all([service(REDIS), service(POSTGRES), service(MARIADB)])
   const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-behaviour-'))
   return [
-    { name: 'memory', available: true, reason: '', create: async () => new MemoryStorage(), cleanup: async () => {} },
+    memoryCase(),
     redisCase(redis.available, redis.reason),
     knexCase('postgres', postgres.available, postgres.reason, () => knexFactory({ client: 'pg', connection: pgConnection })),
     knexCase('mariadb', mariadb.available, mariadb.reason, () => knexFactory({ client: 'mysql2', connection: mysqlConnection })),

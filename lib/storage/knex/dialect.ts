@@ -70,6 +70,8 @@ export interface Dialect {
   purgeBatch: (knex: Knex, table: string, batchSize: number) => Promise<{ chosen: number, deleted: number }>
   /** How this dialect reads the time. */
   readonly clock: Clock
+  /** How this dialect bounds a statement built with knex (see `bounded`). */
+  readonly bound: Bound
   /** The server chose this statement as a deadlock victim: it was rolled back whole and may run again. */
   isDeadlock: (error: unknown) => boolean
 }
@@ -79,7 +81,7 @@ export type Bound = <Q extends Knex.QueryBuilder | Knex.Raw>(query: Q) => Q
 
 /**
  * Past `ms` the server cancels the statement (pg_cancel_backend, KILL QUERY, through a connection
- * of its own), so a row locked by another session never keeps a pooled connection busy, nor the
+ * of its own), so a row locked by another transaction never keeps a pooled connection busy, nor the
  * requests for other keys waiting for one. 0 bounds nothing.
  */
 export function bounded (ms: number): Bound {
@@ -108,22 +110,28 @@ export function driverOf (db: Knex | Knex.Transaction): string | undefined {
 export async function onConnection<C, T> (db: Knex | Knex.Transaction, ms: number, query: (connection: C) => Promise<T>): Promise<T> {
   const client = db.client as PoolClient<C>
   const connection = await client.acquireConnection()
-  const timer = ms === 0 ? undefined : setTimeout(() => { client.cancelQuery(connection).catch(() => {}) }, ms)
+  let cancelling: Promise<unknown> | undefined
+  const timer = ms === 0 ? undefined : setTimeout(() => { cancelling = client.cancelQuery(connection) }, ms)
   try {
     return await query(connection)
   } finally {
     clearTimeout(timer)
+    // A cancel that lands after its statement ended would stop the next statement sent on this
+    // connection: it goes back to the pool once the cancel is done, or is thrown away (as knex does).
+    await cancelling?.catch((error: unknown) => { (connection as { __knex__disposed?: unknown }).__knex__disposed = error })
     await client.releaseConnection(connection)
   }
 }
 
 /**
- * `complete` as one statement text with `?` placeholders (status, content type, headers, body,
- * ttl, key, token, then the clock's values), for the dialects that prepare it themselves (MariaDB,
- * SQLite); the same fenced UPDATE as `updateCompleted`. `table` is quoted already, `N` the clock.
+ * `complete` as one statement text with `?` placeholders (the clock's values, status, content
+ * type, headers, body, the clock's values, ttl, key, token, the clock's values), for the dialects
+ * that prepare it themselves (MariaDB, SQLite); the same fenced UPDATE as `updateCompleted`.
+ * `table` is quoted already, `N` the clock. `lease_end` keeps when the lease ended: when the
+ * response was stored.
  */
 export function completeSql (table: string, N: string): string {
-  return `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = NULL, status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ?
+  return `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N}, status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ?
 WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
 }
 
@@ -142,7 +150,8 @@ export async function updateCompleted (db: Knex | Knex.Transaction, table: strin
   return Number(await bound(heldLease(db, table, c.id, c.token, clock).update({
     state: 'completed',
     token: null,
-    lease_end: null,
+    // When the lease ended, which is when the response was stored (`inspect` reports it).
+    lease_end: db.raw(clock.now, clock.values()),
     status_code: c.statusCode,
     content_type: c.contentType,
     headers: c.headers,

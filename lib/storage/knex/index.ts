@@ -11,13 +11,15 @@
 import { setImmediate, setTimeout as sleep } from 'node:timers/promises'
 import type { Knex } from 'knex'
 import { duration } from '../durations.js'
+import { StoreContentionError } from '../errors.js'
 import { TokenGenerator } from '../tokens.js'
-import type { BeginResult, StorageTransaction, StoredResponse, TransactionalStorage } from '../types.js'
+import type { BeginResult, StorageForgetOptions, StorageForgetResult, LeaseListing, StorageTransaction, StoredResponse, StoredState, TransactionalStorage } from '../types.js'
 import type { Dialect } from './dialect.js'
 import { MysqlDialect } from './mysql.js'
+import { forgetRow, inspectRow, listLeaseRows, type TableView } from './operations.js'
 import { PgListener } from './pg-listener.js'
 import { PostgresDialect } from './postgres.js'
-import { encodeKey, toBuffer, trimmed } from './rows.js'
+import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
 import { createIdempotencyTable, DEFAULT_TABLE_NAME, sqlDialect, type SqlDialect } from './schema.js'
 import { SqliteDialect } from './sqlite.js'
 
@@ -36,7 +38,7 @@ export interface KnexStorageOptions {
   now?: () => number
   /**
    * The longest one statement may run, in ms; past it the server cancels it (PostgreSQL,
-   * MySQL/MariaDB), so a row locked by another session (a migration, a long transaction) never
+   * MySQL/MariaDB), so a row locked by another transaction (a migration, a long batch job) never
    * keeps a pooled connection busy. Keep it below the plugin's `storeTimeout`. 0 disables it.
    * Default 4000.
    */
@@ -78,6 +80,10 @@ export class KnexStorage implements TransactionalStorage {
   readonly #dialect: Dialect
   readonly #createTable: boolean
   readonly #tokens = new TokenGenerator()
+  /** The clock tokens are dated with (see tokens.ts). */
+  readonly #now: () => number
+  /** What the operations (inspect, forget, listInFlight) see of this storage. */
+  readonly #view: TableView
   #ready: Promise<void> | undefined
   #prepared = false
   readonly #listener: PgListener | undefined
@@ -101,6 +107,12 @@ export class KnexStorage implements TransactionalStorage {
     this.#knex = options.knex
     this.#table = tableName
     this.#createTable = options.createTable === true
+    this.#now = options.now ?? Date.now
+    const dialect = this.#dialect
+    this.#view = { knex: options.knex, table: tableName, clock: dialect.clock, bound: dialect.bound }
+    if (dialect instanceof PostgresDialect) {
+      this.#view.wake = async (id) => { await dialect.bound(options.knex.raw('SELECT pg_notify(?, ?)', [dialect.channel, id.toString('base64')])) }
+    }
     if (this.#dialect instanceof PostgresDialect && PgListener.canListen(options.knex)) {
       const listener = new PgListener({
         knex: options.knex,
@@ -136,12 +148,17 @@ export class KnexStorage implements TransactionalStorage {
     const lease = duration('KnexStorage', 'lockTimeout', lockTimeout)
     if (typeof fingerprint !== 'string') throw new TypeError('KnexStorage: the fingerprint must be a string')
     if (!this.#prepared) await this.#prepare()
-    const token = this.#tokens.next()
+    const token = this.#tokens.next(this.#now())
     for (let round = 0; round < BEGIN_ROUNDS; round++) {
-      const result = await this.#retrying(() => this.#dialect.begin(this.#knex, this.#table, { id, fingerprint, token, lease }))
+      const result = await this.#retrying(() => this.#dialect.begin(this.#knex, this.#table, { id, fingerprint, token, lease })).catch((error: unknown) => {
+        // The statement may have taken the lease though its answer was lost: give it back (fenced
+        // by this call's token), rather than block the key until the lease lapses.
+        if (this.#dialect.name !== 'sqlite' && outcomeUnknown(error)) this.#retrying(() => this.#dialect.release(this.#knex, this.#table, id, token)).catch(() => {})
+        throw error
+      })
       if (result !== undefined) return result
     }
-    throw new Error(`KnexStorage: begin did not settle after ${BEGIN_ROUNDS} rounds of concurrent changes to one key`)
+    throw new StoreContentionError(`KnexStorage: begin did not settle after ${BEGIN_ROUNDS} rounds of concurrent changes to one key`)
   }
 
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
@@ -199,6 +216,26 @@ export class KnexStorage implements TransactionalStorage {
       // purge of a million rows held the event loop for its whole length (no request answered).
       await setImmediate()
     }
+  }
+
+  async inspect (key: string): Promise<StoredState> {
+    if (!this.#prepared) await this.#prepare()
+    return await this.#retrying(() => inspectRow(this.#view, key))
+  }
+
+  /** The related keys are a range of the primary key: one indexed DELETE. */
+  async forget (key: string, options: StorageForgetOptions): Promise<StorageForgetResult> {
+    if (!this.#prepared) await this.#prepare()
+    return await this.#retrying(() => forgetRow(this.#view, key, options))
+  }
+
+  /**
+   * Through the in-flight index (`createInFlightIndex`); on a table created before it, by reading
+   * the whole table.
+   */
+  async listInFlight (options: { limit: number }): Promise<LeaseListing> {
+    if (!this.#prepared) await this.#prepare()
+    return await this.#retrying(() => listLeaseRows(this.#view, options.limit))
   }
 
   /**

@@ -10,7 +10,7 @@ import { COLUMNS, readLive, toResult, type Row } from './rows.js'
 // ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition. Assignments run
 // left to right and see the columns already assigned, so `expires_at`, which the condition reads,
 // comes last. The first assignment reads the clock (`N`) once the row is locked and keeps it in a
-// session variable, so every assignment judges the row by the same instant and the lease taken
+// user variable, so every assignment judges the row by the same instant and the lease taken
 // over is measured from when it is written. affectedRows cannot tell an insert from an untouched
 // row when the client sets CLIENT_FOUND_ROWS (mysql2 does by default), so LAST_INSERT_ID(expr),
 // which the server reports as the OK packet's insertId, does: 0 inserted, 1 taken over, 2 left alone.
@@ -122,7 +122,7 @@ export class MysqlDialect implements Dialect {
   async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
     if (db.isTransaction !== true && this.#executing) {
       const t = this.clock.values()
-      const header = await this.#execute(db, this.#executeComplete, [c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t]) as { affectedRows: number }
+      const header = await this.#execute(db, this.#executeComplete, [...t, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t]) as { affectedRows: number }
       return header.affectedRows
     }
     return await updateCompleted(db, table, c, this.clock, this.bound)

@@ -41,12 +41,13 @@ const notifying = (change: string): string => `WITH done AS (
   RETURNING waiting
 )
 SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
-// `complete`, the hot one, is a plain UPDATE: wrapped in the same CTE as `release` it cost a
-// fifth of the first requests' throughput (measured). Its RETURNING says whether somebody waits;
+// `complete`, the hot one, is a plain UPDATE: wrapped in the same CTE as `release`, first
+// requests measured 0.69 of their floor against 0.82 (docs/benchmarks.md, "KnexStorage on
+// PostgreSQL" under #where-the-cost-is-target-by-target). Its RETURNING says whether somebody waits;
 // only then does a second statement send the NOTIFY (in transaction mode, within the
 // transaction, so it is delivered at commit). A waiter that marked the row after the UPDATE finds
 // the lease gone when it marks, and does not wait.
-const complete = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = NULL,
+const complete = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N},
     status_code = $1, content_type = $2, headers = $3, body = $4, expires_at = ${N} + $5::bigint
   WHERE idempotency_key = $6 AND token = $7 AND state = 'in_flight' AND lease_end > ${N}
   RETURNING waiting`

@@ -4,6 +4,7 @@
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
+import { UnreadableEntryError } from '../unreadable-entry.js'
 import type { Clock } from './dialect.js'
 import { MAX_KEY_BYTES } from './schema.js'
 
@@ -55,7 +56,11 @@ export function toBuffer (value: unknown): Buffer {
   throw new Error(`KnexStorage: unexpected body type ${typeof value}`)
 }
 
-/** A live row as what `begin` returns for it. */
+/**
+ * A live row as what `begin` returns for it. A `state` this version does not know (a later
+ * version's, with the migration that allowed it) or a damaged `headers` column is refused as
+ * unreadable, and the row is left as it is.
+ */
 export function toResult (row: Row): BeginResult {
   if (row.state === 'completed') {
     return {
@@ -64,7 +69,7 @@ export function toResult (row: Row): BeginResult {
       response: {
         statusCode: Number(row.statuscode),
         contentType: row.contenttype ?? null,
-        headers: row.headers === null ? {} : JSON.parse(row.headers),
+        headers: row.headers === null ? {} : storedHeaders(row.headers),
         body: toBuffer(row.body),
         // An empty body is stored as an empty value; NULL says the body was not kept.
         ...(row.body === null ? { bodyOmitted: true } : {})
@@ -74,7 +79,18 @@ export function toResult (row: Row): BeginResult {
   if (row.state === 'in_flight') {
     return { state: 'in-flight', fingerprint: row.fingerprint, lockExpiresAt: millis(row.leaseend) }
   }
-  throw new Error(`KnexStorage: unexpected state ${JSON.stringify(row.state)} in the idempotency table`)
+  throw new UnreadableEntryError(`KnexStorage: the row's state ${JSON.stringify(row.state)} is not one this version knows (written by another version)`)
+}
+
+function storedHeaders (text: string): Record<string, string | string[]> {
+  let headers: unknown
+  try {
+    headers = JSON.parse(text)
+  } catch (error) {
+    throw new UnreadableEntryError('KnexStorage: the row\'s headers are damaged', { cause: error })
+  }
+  if (headers === null || typeof headers !== 'object' || Array.isArray(headers)) throw new UnreadableEntryError('KnexStorage: the row\'s headers are not an object')
+  return headers as Record<string, string | string[]>
 }
 
 /** The row as a live result, or `undefined` when it vanished or died since an upsert saw it. */
@@ -82,6 +98,22 @@ export async function readLive (db: Knex, table: string, id: Buffer, clock: Cloc
   const row = await bound(db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhereRaw(`expires_at > ${clock.now}`, clock.values())) as Row | undefined
   return row === undefined ? undefined : toResult(row)
 }
+
+/**
+ * Whether a failed statement may still have run: the server did not refuse it with an error of
+ * its own (node-postgres's errors from the server carry `severity`, mysql2's `sqlState`), so the
+ * connection was lost after it was sent, or the client stopped waiting (knex's `.timeout()`). A
+ * statement the server cancelled (57014, 1317, 1969), or chose as a deadlock victim, was rolled
+ * back; one that never got a connection from knex's pool was never sent.
+ */
+export function outcomeUnknown (error: unknown): boolean {
+  const { severity, sqlState, fatal, message } = (error ?? {}) as { severity?: unknown, sqlState?: unknown, fatal?: unknown, message?: unknown }
+  if (typeof message === 'string' && message.startsWith(POOL_TIMEOUT)) return false
+  return typeof severity !== 'string' && (typeof sqlState !== 'string' || fatal === true)
+}
+
+/** How knex's error begins when no pool connection came within `acquireConnectionTimeout`. */
+const POOL_TIMEOUT = 'Knex: Timeout acquiring a connection'
 
 /** Longest error message (and `sql`) passed on; see `trimmed`. */
 const MAX_ERROR_TEXT = 2048

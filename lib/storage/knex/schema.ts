@@ -75,6 +75,11 @@ export function expiryIndexName (tableName: string): string {
   return `${splitName(tableName).base}_expires_idx`
 }
 
+/** The in-flight index's name (see `createInFlightIndex`). */
+export function inFlightIndexName (tableName: string): string {
+  return `${splitName(tableName).base}_in_flight_idx`
+}
+
 /**
  * The PostgreSQL NOTIFY channel of a table (see `KnexStorage.waitFor`), also used by the tests.
  * Channel names are identifiers of at most 63 bytes, and a table name may be longer or hold any
@@ -124,7 +129,8 @@ const MYSQL_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
   body LONGBLOB NULL,
   expires_at BIGINT NOT NULL,
   PRIMARY KEY (idempotency_key),
-  KEY ?? (expires_at)
+  KEY ?? (expires_at),
+  KEY ?? (state, lease_end)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin`
 
 const SQLITE_TABLE = `CREATE TABLE IF NOT EXISTS ?? (
@@ -161,8 +167,11 @@ export async function createIdempotencyTable (knex: Knex, tableName: string = DE
     // violation on pg_type); a transaction-scoped advisory lock makes creators take turns.
     await knex.transaction(async (trx) => {
       await trx.raw('SELECT pg_advisory_xact_lock(?::integer, ?::integer)', [ADVISORY_NAMESPACE, advisoryKey(tableName)])
+      const { rows: existing } = await trx.raw('SELECT to_regclass(?) AS found', [quotedName(tableName)])
       await trx.raw(POSTGRES_TABLE, [tableName])
       await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+      // Only with a new table: building it on a full one blocks writes (see `createInFlightIndex`).
+      if (existing[0].found === null) await trx.raw(IN_FLIGHT_INDEX, [inFlightIndexName(tableName), tableName])
       // A table created before `waiting` existed gets it. Only when it is missing: ALTER TABLE
       // takes an ACCESS EXCLUSIVE lock even when IF NOT EXISTS then finds the column, and every
       // process start would queue all requests behind it. (A constant default costs no rewrite.)
@@ -173,11 +182,54 @@ export async function createIdempotencyTable (knex: Knex, tableName: string = DE
   } else if (dialect === 'mysql') {
     // One statement with the index inline: MySQL DDL is not transactional, and a separate
     // CREATE INDEX would fail for the second of two racing creators.
-    await knex.raw(MYSQL_TABLE, [tableName, index])
+    await knex.raw(MYSQL_TABLE, [tableName, index, inFlightIndexName(tableName)])
   } else {
-    // Both statements are idempotent, so racing creators need no lock; SQLite serializes them.
+    // The statements are idempotent, so racing creators need no lock; SQLite serializes them.
+    const existed = await sqliteTableExists(knex, tableName)
     await knex.raw(SQLITE_TABLE, [tableName])
     await knex.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [schema === undefined ? index : `${schema}.${index}`, base])
+    if (!existed) await createInFlightIndex(knex, tableName)
+  }
+}
+
+/**
+ * Leases held are listed (`listInFlight`, the `in-flight` command) through this index: on
+ * PostgreSQL and SQLite a partial index of the rows in flight alone, on MySQL/MariaDB (which have
+ * none) one on `(state, lease_end)`. Without it the listing reads the whole table.
+ */
+const IN_FLIGHT_INDEX = "CREATE INDEX IF NOT EXISTS ?? ON ?? (lease_end) WHERE state = 'in_flight'"
+
+async function sqliteTableExists (knex: Knex, tableName: string): Promise<boolean> {
+  const { schema, base } = splitName(tableName)
+  const rows = await knex.raw(`SELECT 1 FROM ${schema === undefined ? '' : `"${schema.replace(/"/g, '""')}".`}sqlite_master WHERE type = 'table' AND name = ?`, [base])
+  return (rows as unknown[]).length > 0
+}
+
+/**
+ * Add the in-flight index to a table created before it existed (`createIdempotencyTable` makes it
+ * with every new table). Idempotent. On PostgreSQL outside a transaction it is built
+ * `CONCURRENTLY`, without blocking writes (in a knex migration, set `config = { transaction: false }`);
+ * inside one, and on SQLite, the build blocks writes to the table while it reads it. MySQL/MariaDB
+ * build it online.
+ */
+export async function createInFlightIndex (knex: Knex, tableName: string = DEFAULT_TABLE_NAME): Promise<void> {
+  checkTableName(tableName)
+  const dialect = sqlDialect(knex)
+  const { schema, base } = splitName(tableName)
+  const index = inFlightIndexName(tableName)
+  if (dialect === 'postgres') {
+    const concurrently = knex.isTransaction === true ? '' : ' CONCURRENTLY'
+    await knex.raw(IN_FLIGHT_INDEX.replace('CREATE INDEX', `CREATE INDEX${concurrently}`), [index, tableName])
+  } else if (dialect === 'mysql') {
+    const [rows] = await knex.raw('SELECT 1 FROM information_schema.statistics WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? AND index_name = ?',
+      [schema ?? null, base, index])
+    if ((rows as unknown[]).length > 0) return
+    // Two creators at once: the second finds the name taken (ER_DUP_KEYNAME), which is as good.
+    await knex.raw('CREATE INDEX ?? ON ?? (state, lease_end)', [index, tableName]).catch((error: { errno?: number }) => {
+      if (error.errno !== 1061) throw error
+    })
+  } else {
+    await knex.raw(IN_FLIGHT_INDEX, [schema === undefined ? index : `${schema}.${index}`, base])
   }
 }
 

@@ -47,6 +47,7 @@ const unbounded = bounded(0)
 export class SqliteDialect implements Dialect {
   readonly name = 'sqlite' as const
   readonly clock: Clock
+  readonly bound = unbounded
   readonly #sql: { readLive: string, begin: string, complete: string }
   /** Statements prepared on each connection (better-sqlite3 only), by SQL text. */
   readonly #prepared = new WeakMap<Connection, Map<string, Statement>>()
@@ -73,7 +74,7 @@ export class SqliteDialect implements Dialect {
     // A transaction holds the one connection: its statements go through it, as knex sends them.
     if (db.isTransaction === true || !isBetterSqlite(db)) return await updateCompleted(db, table, c, this.clock, unbounded)
     const t = this.clock.values()
-    return await this.#run(db, this.#sql.complete, [c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t], 'run') as number
+    return await this.#run(db, this.#sql.complete, [...t, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t], 'run') as number
   }
 
   async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {

@@ -1,0 +1,63 @@
+/**
+ * The requests of one registration of the plugin that are between their first store call and the
+ * end of their settling (their response stored, or their key given back, including the retries of
+ * storing it in the background), so that closing the app can wait for them before anything closes
+ * the store under them.
+ *
+ * Entering and leaving cost a map write each: no promise, no timer, until the app closes. Once it
+ * is closing, no request enters: a request that has not touched the store yet is refused (a lease
+ * taken now could outlive the store), one already in flight is waited for.
+ */
+import type { RequestState } from './request-state.js'
+import type { Reporter } from './report.js'
+
+export class InFlight {
+  /** Each request in flight, with the reporter of its route (to say what became of it at the bound). */
+  readonly #requests = new Map<RequestState, Reporter>()
+  #closing = false
+  #closed = false
+  #drained: (() => void) | null = null
+
+  /** Closing has ended (every request settled, or the bound passed): background work gives up. */
+  get closed (): boolean {
+    return this.#closed
+  }
+
+  /** Track `state` until `leave`; `false` (and not tracked) once the app is closing. */
+  enter (state: RequestState, reporter: Reporter): boolean {
+    if (this.#closing) return false
+    this.#requests.set(state, reporter)
+    return true
+  }
+
+  leave (state: RequestState): void {
+    if (!this.#requests.delete(state)) return
+    if (this.#requests.size === 0) this.#drained?.()
+  }
+
+  /**
+   * Refuse new requests, and wait until every request in flight has left, or `timeout` ms have
+   * passed: resolves with those still in flight then (none when all left), and their reporters.
+   */
+  async drain (timeout: number): Promise<Array<[RequestState, Reporter]>> {
+    this.#closing = true
+    if (this.#requests.size > 0) {
+      // A referenced timer: it is what bounds close, so it must not let the process end before it.
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, timeout)
+        this.#drained = () => {
+          clearTimeout(timer)
+          resolve()
+        }
+      })
+      this.#drained = null
+    }
+    this.#closed = true
+    return [...this.#requests]
+  }
+
+  /** How many requests are in flight. */
+  get size (): number {
+    return this.#requests.size
+  }
+}
