@@ -3,9 +3,9 @@
  * BodyTooLargeError, in its own error handler), each with a type guard: what `isIdempotencyError`
  * is for the plugin's own errors. docs/errors.md#causes says when each occurs.
  */
-import { BodyNestedTooDeeplyError } from './canonical-value.js'
+import { BodyNestedTooDeeplyError } from './fingerprint/canonical-value.js'
 import { StoreTimeoutError } from './engine/store-deadline.js'
-import { BodyTooLargeError } from './raw-body.js'
+import { BodyTooLargeError } from './http/raw-body.js'
 import { StoreContentionError } from './storage/errors.js'
 import { UnreadableEntryError } from './storage/unreadable-entry.js'
 

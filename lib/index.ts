@@ -4,14 +4,14 @@
  */
 import type { FastifyPluginAsync, RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
-import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext } from './hooks.js'
+import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext } from './http/hooks.js'
 import { InFlight } from './engine/in-flight.js'
-import { documentRoute } from './openapi.js'
+import { documentRoute } from './http/openapi.js'
 import { loggerAudit } from './operations/audit.js'
 import { KeyOperations, type IdempotencyOperations } from './operations/index.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
-import { registerIn, routeName } from './registration.js'
-import { closeTimeoutOption, waitForRequestsOnClose } from './shutdown.js'
+import { registerIn, routeName } from './http/registration.js'
+import { closeTimeoutOption, waitForRequestsOnClose } from './http/shutdown.js'
 import { MemoryStorage } from './storage/memory.js'
 
 declare module 'fastify' {
@@ -105,8 +105,8 @@ export default idempotency
 
 export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
 export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
-export type { FingerprintOptions } from './fingerprint.js'
-export type { IdempotencyRequestContext } from './hooks.js'
+export type { FingerprintOptions } from './fingerprint/fingerprint.js'
+export type { IdempotencyRequestContext } from './http/hooks.js'
 export type { StepContext, StepFunction } from './engine/steps.js'
 export {
   IdempotencyError,
@@ -152,8 +152,8 @@ export type {
   OperationOptions,
   StoredInspection
 } from './operations/index.js'
-export { scopeByHeader } from './scope.js'
-export type { Scope } from './scope.js'
+export { scopeByHeader } from './http/scope.js'
+export type { Scope } from './http/scope.js'
 export type { EncryptionOptions } from './encryption.js'
 export type { Redact, StoreIf } from './options.js'
 export { MemoryStorage } from './storage/memory.js'

@@ -6,9 +6,9 @@ import { parse as parseDuration } from '@lukeed/ms'
 import { Ajv, type ErrorObject } from 'ajv'
 import type { FastifyRequest } from 'fastify'
 import { ResponseCipher, type EncryptionOptions } from './encryption.js'
-import { ALWAYS_EXCLUDED_HEADERS } from './excluded-headers.js'
-import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
-import type { Scope } from './scope.js'
+import { ALWAYS_EXCLUDED_HEADERS } from './http/excluded-headers.js'
+import { normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint/fingerprint.js'
+import type { Scope } from './http/scope.js'
 import type { IdempotencyStorage, StoredResponse, TransactionalStorage } from './storage/types.js'
 
 /** What a route may set in `config.idempotency` (and what the plugin options set for every route). */

@@ -4,10 +4,10 @@ import type { FastifyRequest } from 'fastify'
 import { Readable } from 'node:stream'
 import canonicalizeModule from 'canonicalize'
 import fc from 'fast-check'
-import { BodyNestedTooDeeplyError, canonicalValue, FingerprintValueError, IncomparableValueError, MAX_DEPTH } from '../lib/canonical-value.js'
-import { normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint.js'
-import { routeTag } from '../lib/fingerprint-record.js'
-import { fingerprintRequest } from '../lib/request-fingerprint.js'
+import { BodyNestedTooDeeplyError, canonicalValue, FingerprintValueError, IncomparableValueError, MAX_DEPTH } from '../lib/fingerprint/canonical-value.js'
+import { normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint/fingerprint.js'
+import { routeTag } from '../lib/fingerprint/record.js'
+import { fingerprintRequest } from '../lib/http/request-fingerprint.js'
 
 const canonicalize = canonicalizeModule as unknown as (input: unknown) => string
 

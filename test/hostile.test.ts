@@ -7,8 +7,8 @@ import { describe, expect, it } from 'vitest'
 import fc from 'fast-check'
 import type { FastifyRequest } from 'fastify'
 import { buildApp } from './helpers/app.js'
-import { normalizeFingerprint } from '../lib/fingerprint.js'
-import { fingerprintRequest } from '../lib/request-fingerprint.js'
+import { normalizeFingerprint } from '../lib/fingerprint/fingerprint.js'
+import { fingerprintRequest } from '../lib/http/request-fingerprint.js'
 
 const headerValue = fc.oneof(
   fc.string({ maxLength: 40 }),

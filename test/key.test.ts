@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { readIdempotencyKey } from '../lib/key.js'
+import { readIdempotencyKey } from '../lib/http/key.js'
 import { IdempotencyKeyInvalidError } from '../lib/errors.js'
 
 const read = (value: string | string[] | undefined, max = 255) => readIdempotencyKey(value, 'Idempotency-Key', max)

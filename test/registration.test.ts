@@ -8,7 +8,7 @@ import diagnostics from 'node:diagnostics_channel'
 import Fastify, { type FastifyInstance } from 'fastify'
 import fp from 'fastify-plugin'
 import idempotency, { idempotencyErrorHandler, MemoryStorage } from '../lib/index.js'
-import { watchNewApp } from '../lib/registration.js'
+import { watchNewApp } from '../lib/http/registration.js'
 import { newKey } from './helpers/app.js'
 
 const apps: FastifyInstance[] = []

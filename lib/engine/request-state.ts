@@ -8,7 +8,7 @@
  * `idle` covers a request that was refused (mismatch, in progress, store down) too: nothing
  * happens to it after that. Only a request that holds the lease is ever settled, and only once.
  */
-import type { ArrivedBody } from '../fingerprint.js'
+import type { ArrivedBody } from '../fingerprint/fingerprint.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
 import type { FingerprintVerdict } from './fingerprint-check.js'
 import type { RenewedLease } from './lease-renewal.js'

@@ -3,8 +3,8 @@
  * names (fingerprint-record.ts), written as the FingerprintOptions that differ from the defaults.
  * `null` for a record that names none (one written by 0.1.0) or cannot be read.
  */
-import { readRecord } from '../fingerprint-record.js'
-import type { FingerprintOptions } from '../fingerprint.js'
+import { readRecord } from '../fingerprint/record.js'
+import type { FingerprintOptions } from '../fingerprint/fingerprint.js'
 
 export function fingerprintOptionsOf (fingerprint: string): FingerprintOptions | null {
   const record = readRecord(fingerprint)

@@ -5,7 +5,7 @@
 import { pipeline, Readable, Transform } from 'node:stream'
 import type { ReadableStream as WebReadableStream } from 'node:stream/web'
 import type { FastifyReply } from 'fastify'
-import type { StoredResponse } from './storage/types.js'
+import type { StoredResponse } from '../storage/types.js'
 
 /** The payload as bytes, `null` for a stream or anything else that is not already in memory. */
 export function payloadBytes (payload: unknown): Buffer | null {

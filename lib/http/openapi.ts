@@ -6,7 +6,7 @@
  * (an application may share one schema object between routes).
  */
 import type { RouteOptions } from 'fastify'
-import type { PluginSettings, RouteSettings } from './options.js'
+import type { PluginSettings, RouteSettings } from '../options.js'
 
 /** What documenting a route needs to know of its settings. */
 type DocumentedSettings = Pick<PluginSettings, 'headerName' | 'maxKeyLength' | 'replayHeader'> & Pick<RouteSettings, 'required' | 'mismatchStatusCode' | 'failOpen'>

@@ -13,7 +13,7 @@
  */
 import { hash } from 'node:crypto'
 import { FINGERPRINT_VERSION, normalizeFingerprint, type FingerprintOptions, type FingerprintSettings } from './fingerprint.js'
-import { isFingerprintOptions } from './options.js'
+import { isFingerprintOptions } from '../options.js'
 
 export type StoredFingerprint =
   | { version: 1, digest: string }

@@ -13,7 +13,7 @@ import { brotliDecompress, gunzip, inflate } from 'node:zlib'
 import { negotiate } from '@fastify/accept-negotiator'
 import type { FastifyReply, FastifyRequest } from 'fastify'
 import { isPseudoHeader } from './capture.js'
-import type { StoredResponse } from './storage/types.js'
+import type { StoredResponse } from '../storage/types.js'
 
 /** Marks a replay of an answer whose body was not kept (see StoredResponse.bodyOmitted). */
 export const BODY_OMITTED_HEADER = 'Idempotent-Body-Omitted'

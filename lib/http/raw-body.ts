@@ -19,7 +19,7 @@ import { createHash, type Hash } from 'node:crypto'
 import { IncomingMessage } from 'node:http'
 import type { Readable } from 'node:stream'
 import type { FastifyRequest } from 'fastify'
-import { FingerprintValueError, isStream } from './canonical-value.js'
+import { FingerprintValueError, isStream } from '../fingerprint/canonical-value.js'
 
 type Emit = Readable['emit']
 

@@ -7,8 +7,8 @@
  * still open and their clients still connected, for at most `closeTimeout`.
  */
 import type { FastifyInstance } from 'fastify'
-import type { InFlight } from './engine/in-flight.js'
-import { toMilliseconds } from './options.js'
+import type { InFlight } from '../engine/in-flight.js'
+import { toMilliseconds } from '../options.js'
 
 export function waitForRequestsOnClose (fastify: FastifyInstance, inFlight: InFlight, closeTimeout: number): void {
   fastify.addHook('preClose', async function () {

@@ -14,12 +14,12 @@
  * as the key was reused for another operation.
  */
 import type { FastifyRequest } from 'fastify'
-import { BodyNestedTooDeeplyError, FingerprintValueError } from './canonical-value.js'
-import { IdempotencyFingerprintError, IdempotencyFingerprintUnsupportedError, type IdempotencyError } from './errors.js'
-import type { FingerprintVerdict } from './engine/fingerprint-check.js'
-import { bodyPart, fingerprintDigest, rawBodyPart, type ArrivedBody, type BodyPart, type FingerprintSettings } from './fingerprint.js'
-import { fingerprintRecord, legacyOptionSets, readRecord, routeTag } from './fingerprint-record.js'
-import type { RequestState } from './engine/request-state.js'
+import { BodyNestedTooDeeplyError, FingerprintValueError } from '../fingerprint/canonical-value.js'
+import { IdempotencyFingerprintError, IdempotencyFingerprintUnsupportedError, type IdempotencyError } from '../errors.js'
+import type { FingerprintVerdict } from '../engine/fingerprint-check.js'
+import { bodyPart, fingerprintDigest, rawBodyPart, type ArrivedBody, type BodyPart, type FingerprintSettings } from '../fingerprint/fingerprint.js'
+import { fingerprintRecord, legacyOptionSets, readRecord, routeTag } from '../fingerprint/record.js'
+import type { RequestState } from '../engine/request-state.js'
 import { isStreamBody, unparsedBody, type RawBodyHash } from './raw-body.js'
 
 /**

@@ -3,7 +3,7 @@
  * hostile header can cost nothing but this function.
  */
 import { parseItem } from 'structured-headers'
-import { IdempotencyKeyInvalidError } from './errors.js'
+import { IdempotencyKeyInvalidError } from '../errors.js'
 
 /** Visible ASCII (0x21-0x7E), the bare form's alphabet. */
 const BARE_KEY = /^[\x21-\x7E]+$/

@@ -6,7 +6,7 @@
  */
 import { hash } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
-import { IdempotencyScopeError } from './errors.js'
+import { IdempotencyScopeError } from '../errors.js'
 
 /**
  * A scope: the caller's id (a non-empty string), or `undefined` / `null` for a request with no
