@@ -73,7 +73,9 @@ export function checkFields<O extends object> (fields: Fields<O>, layer: O, cont
 
 /**
  * Makes every field of `fields` from `layers` (the plugin's options, then a route's, if any). A
- * field the last layer sets none of the options of is `base`'s (the plugin's settings), as it is.
+ * field the last layer sets none of the options of is `base`'s (the plugin's settings): made
+ * again it would be equal, and keeping the same object keeps what is cached by it (the
+ * fingerprint settings' candidates, fingerprint/record.ts) shared by the routes.
  */
 export function normalizeFields<O extends object, F extends Fields<O>> (fields: F, layers: readonly O[], base: SettingsOf<F> | null, context: Omit<FieldContext<O>, 'layers' | 'layer'>): SettingsOf<F> {
   const layer = layers[layers.length - 1]!
