@@ -15,7 +15,7 @@ export const duration = { type: ['integer', 'string'], minimum: 1 } as const
 export const statusCodes = { type: 'array', items: { type: 'integer', minimum: 100, maximum: 599 } } as const
 export const token = { type: 'string', pattern: TOKEN } as const
 export const tokens = { type: 'array', items: token } as const
-/** Functions, stores and Buffers: JSON Schema cannot describe them, a field's `check` does. */
+/** Functions, stores and Buffers: JSON Schema cannot describe them; their field checks them (table.ts). */
 export const anything = {} as const
 
 export const fingerprintSchema = {
