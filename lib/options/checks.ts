@@ -1,0 +1,33 @@
+/** The checks of options that JSON Schema cannot make: durations that parse, functions, stores. */
+import { parse as parseDuration } from '@lukeed/ms'
+import type { IdempotencyStorage, TransactionalStorage } from '../storage/types.js'
+import { invalid } from './schema.js'
+
+export function toMilliseconds (value: number | string, name: string, context: string): number {
+  const ms = typeof value === 'number' ? value : parseDuration(value)
+  if (ms === undefined || !Number.isFinite(ms) || ms < 1) {
+    throw invalid(context, `${name} must be a positive number of milliseconds or a duration such as '24h' (got ${JSON.stringify(value)})`)
+  }
+  return Math.round(ms)
+}
+
+export function checkFunction (value: unknown, name: string, context: string): void {
+  if (value !== undefined && typeof value !== 'function') throw invalid(context, `${name} must be a function of the request`)
+}
+
+export function checkStorage (storage: unknown): void {
+  const methods = ['begin', 'complete', 'release', 'renew'] as const
+  const missing = storage === null || typeof storage !== 'object'
+    ? methods
+    : methods.filter((name) => typeof (storage as Record<string, unknown>)[name] !== 'function')
+  if (missing.length > 0) {
+    throw invalid('options', `storage must implement IdempotencyStorage (missing ${missing.join(', ')})`)
+  }
+}
+
+export function checkTransaction (transaction: boolean, storage: IdempotencyStorage, context: string): boolean {
+  if (transaction && typeof (storage as Partial<TransactionalStorage>).transaction !== 'function') {
+    throw invalid(context, `transaction mode needs a storage that supports transactions (KnexStorage), not ${storage.constructor.name}`)
+  }
+  return transaction
+}
