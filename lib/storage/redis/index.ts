@@ -3,7 +3,7 @@ import { duration } from '../durations.js'
 import { TokenGenerator } from '../tokens.js'
 import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from '../types.js'
 import { KeyWaiters, type Waiter } from '../waiters.js'
-import { decodeValue, encodeEntry, encodeLease, joinLeaseToken, LEASE_TAG, splitLeaseToken } from './codec.js'
+import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
 import { channelOf, redisKeyOf } from './keys.js'
 import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.js'
 import { END_LEASE, MARK_WAITING, RENEW, type ScriptingClient } from './scripts.js'
@@ -34,9 +34,9 @@ export interface RedisStorageOptions {
 type SetNxGet = (key: string, value: string, px: 'PX', ttl: number, nx: 'NX', get: 'GET') => Promise<Buffer | null>
 type Subscriber = (Redis | Cluster) & { on: (event: string, listener: (...args: unknown[]) => void) => unknown }
 
-/** What the scripts compare a lease's first bytes with: 'L' and the lease's own token. */
-function leasePrefix (leaseToken: string): string {
-  return LEASE_TAG + splitLeaseToken(leaseToken).token
+/** What the scripts compare a lease's first bytes with. */
+function fence (leaseToken: string): string {
+  return fenceOf(splitLeaseToken(leaseToken).token)
 }
 
 /** What `begin` answers for the value the SET found (`null`: none, the lease is taken). */
@@ -125,17 +125,16 @@ export class RedisStorage implements IdempotencyStorage {
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const redisKey = this.redisKey(key)
     const entry = encodeEntry(splitLeaseToken(token).fingerprint, response, Date.now())
-    return await END_LEASE.run(this.#client, redisKey, leasePrefix(token), channelOf(redisKey), entry, duration('RedisStorage', 'expiration', expiration)) === 1
+    return await END_LEASE.run(this.#client, redisKey, fence(token), entry, duration('RedisStorage', 'expiration', expiration)) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
-    const redisKey = this.redisKey(key)
-    return await END_LEASE.run(this.#client, redisKey, leasePrefix(token), channelOf(redisKey)) === 1
+    return await END_LEASE.run(this.#client, this.redisKey(key), fence(token)) === 1
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
     const ms = duration('RedisStorage', 'lockTimeout', lockTimeout)
-    return await RENEW.run(this.#client, this.redisKey(key), leasePrefix(token), Date.now() + ms, ms) === 1
+    return await RENEW.run(this.#client, this.redisKey(key), fence(token), Date.now() + ms, ms) === 1
   }
 
   /**

@@ -8,7 +8,7 @@ import type { Cluster, Redis } from 'ioredis'
 import { tokenIssuedAt } from '../tokens.js'
 import type { StorageForgetOptions, StorageForgetResult, HeldLease, LeaseListing, StoredState } from '../types.js'
 import { decodeValue, LEASE_TAG } from './codec.js'
-import { channelOf, redisKeyOf, storageKeyOf } from './keys.js'
+import { redisKeyOf, storageKeyOf } from './keys.js'
 import { FORGET_LUA } from './scripts.js'
 
 /** What the operations need of a RedisStorage. */
@@ -65,7 +65,7 @@ export async function inspectKey (view: RedisView, key: string): Promise<StoredS
 
 export async function forgetKey (view: RedisView, key: string, options: StorageForgetOptions): Promise<StorageForgetResult> {
   const redisKey = redisKeyOf(view.open, key)
-  const [outcome, ttl] = await view.client.eval(FORGET_LUA, 1, redisKey, options.force ? '1' : '0', channelOf(redisKey)) as [number, number]
+  const [outcome, ttl] = await view.client.eval(FORGET_LUA, 1, redisKey, options.force ? '1' : '0') as [number, number]
   if (outcome === -1) return { outcome: 'refused', lockExpiresAt: Date.now() + ttl }
   // The related keys: the prefix's Redis key without its closing brace, then anything.
   const pattern = literalGlob(redisKeyOf(view.open, options.relatedPrefix).slice(0, -1)) + '*'
