@@ -123,9 +123,9 @@ export class RedisStorage implements IdempotencyStorage {
 
   /** The token is a LeaseToken (codec.ts): the lease's own token and the fingerprint the lease was taken with. */
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
-    const redisKey = this.redisKey(key)
-    const entry = encodeEntry(splitLeaseToken(token).fingerprint, response, Date.now())
-    return await END_LEASE.run(this.#client, redisKey, fence(token), entry, duration('RedisStorage', 'expiration', expiration)) === 1
+    const lease = splitLeaseToken(token)
+    const entry = encodeEntry(lease.fingerprint, response, Date.now())
+    return await END_LEASE.run(this.#client, this.redisKey(key), fenceOf(lease.token), entry, duration('RedisStorage', 'expiration', expiration)) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
