@@ -1,0 +1,42 @@
+/**
+ * How RedisStorage names things in Redis: the Redis key of an idempotency key (the prefix, then
+ * the key, escaped, as the hash tag), the way back from a Redis key to the key, and the channel a
+ * lease's end is published on.
+ */
+
+/** Appended to a Redis key to name the channel its lease's end is published on. */
+export const CHANNEL_SUFFIX = ':ended'
+
+// Escaped: `%` (the escape character itself), both braces (so the user's text can never end or
+// open the hash tag) and lone UTF-16 surrogates (ioredis would encode each as U+FFFD, making two
+// different keys one). In `u` mode the class skips well-formed surrogate pairs.
+const NEEDS_ESCAPE = /[%{}\uD800-\uDFFF]/u
+const ESCAPES = /[%{}\uD800-\uDFFF]/gu
+const UNESCAPES = /%(25|7B|7D|u[0-9A-F]{4})/g
+
+function escapeChar (char: string): string {
+  if (char === '%') return '%25'
+  if (char === '{') return '%7B'
+  if (char === '}') return '%7D'
+  return '%u' + char.charCodeAt(0).toString(16).toUpperCase()
+}
+
+/** The Redis key of `key`, under `open` (the prefix and the opening brace of the hash tag). */
+export function redisKeyOf (open: string, key: string): string {
+  return open + (NEEDS_ESCAPE.test(key) ? key.replace(ESCAPES, escapeChar) : key) + '}'
+}
+
+/** The key a RedisStorage was given, from the Redis key it stored it under; `null` for another key. */
+export function storageKeyOf (open: string, redisKey: string): string | null {
+  if (!redisKey.startsWith(open) || !redisKey.endsWith('}')) return null
+  return redisKey.slice(open.length, -1).replace(UNESCAPES, (_match, code: string) => {
+    if (code === '25') return '%'
+    if (code === '7B') return '{'
+    if (code === '7D') return '}'
+    return String.fromCharCode(parseInt(code.slice(1), 16))
+  })
+}
+
+export function channelOf (redisKey: string): string {
+  return redisKey + CHANNEL_SUFFIX
+}

@@ -1,0 +1,148 @@
+/**
+ * RedisStorage's Lua scripts, each on one key (KEYS[1]), and how they are sent. Every offset they
+ * use comes from the value layout (codec.ts).
+ */
+import { createHash } from 'node:crypto'
+import { FENCE_LENGTH, LEASE_TAG, SEPARATOR, WAITERS_OFFSET, WAITING } from './codec.js'
+import { CHANNEL_SUFFIX } from './keys.js'
+
+// Lua strings count from 1, GETRANGE and SETRANGE from 0 (GETRANGE's end included). The offsets
+// a script passes to redis.call are written as Lua strings: a Lua number is turned into a string
+// by Redis on every call, which cost the complete script a tenth of its instructions.
+/** GETRANGE's end of the fence. */
+const FENCE_LAST = FENCE_LENGTH - 1
+/** Lua's position of the last byte of 'L' + token: the fence without its waiters byte. */
+const LEASE_PREFIX_END = WAITERS_OFFSET
+/** Lua's position of the waiters byte. */
+const WAITERS_AT = WAITERS_OFFSET + 1
+/** The channel of KEYS[1], as channelOf names it. */
+const CHANNEL = `KEYS[1] .. '${CHANNEL_SUFFIX}'`
+
+/**
+ * Ends a lease: stores the entry when one is given (complete), deletes the key otherwise
+ * (release). ARGV: the caller's fence as begin wrote it (fenceOf: 'L', token, '-'), [entry,
+ * expiration ms].
+ *
+ * Built for the first request's cost on Redis: the fence is read with one bounded GETRANGE (never
+ * the whole value, however long an entry sits there), and compared whole with ARGV[1], with no
+ * string cut on the way: Lua strings are interned, so that test is one pointer comparison. Only a
+ * head that differs is looked at again: the same lease with its waiters byte set ('W': publish the
+ * end), or not the caller's lease. The channel is derived from the key here rather than sent.
+ * Every argument costs Redis a Lua string and a slot in ARGV on each call.
+ */
+const END_LEASE_LUA = `
+local head = redis.call('GETRANGE', KEYS[1], '0', '${FENCE_LAST}')
+local waited = head ~= ARGV[1]
+if waited and head ~= string.sub(ARGV[1], 1, ${LEASE_PREFIX_END}) .. '${WAITING}' then
+  return 0
+end
+if ARGV[2] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+else
+  redis.call('DEL', KEYS[1])
+end
+if waited then
+  redis.call('PUBLISH', ${CHANNEL}, '1')
+end
+return 1
+`
+
+/**
+ * ARGV: the caller's fence (its waiters byte not compared), new lease end (epoch ms), lockTimeout
+ * ms. The waiters byte and the fingerprint are kept from the current value, so the lease still
+ * reports it to duplicates.
+ * A Redis full under noeviction refuses the SET (it may grow the value), but not PEXPIRE: the
+ * lease is then extended with the old lease end in its value (duplicates are told a Retry-After
+ * too early, which is harmless), rather than let lapse while its response waits to be stored.
+ */
+const RENEW_LUA = `
+local value = redis.call('GET', KEYS[1])
+if not value or string.sub(value, 1, ${LEASE_PREFIX_END}) ~= string.sub(ARGV[1], 1, ${LEASE_PREFIX_END}) then
+  return 0
+end
+local bar = string.find(value, '${SEPARATOR}', ${WAITERS_AT + 1}, true)
+local set = redis.pcall('SET', KEYS[1], string.sub(value, 1, ${WAITERS_AT}) .. ARGV[2] .. string.sub(value, bar), 'PX', ARGV[3])
+if type(set) == 'table' and set.err then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return 1
+`
+
+/**
+ * No ARGV. A waiter marks the lease so that its end is published; 0 when there is no lease (any
+ * more): the waiter then has nothing to wait for. SETRANGE keeps the expiry.
+ */
+const MARK_WAITING_LUA = `
+if redis.call('GETRANGE', KEYS[1], '0', '0') ~= '${LEASE_TAG}' then
+  return 0
+end
+redis.call('SETRANGE', KEYS[1], '${WAITERS_OFFSET}', '${WAITING}')
+return 1
+`
+
+/**
+ * The operators' `forget`. ARGV: '1' to remove a lease too. Returns 0 (nothing
+ * there), 1 (an entry, removed), 2 (a lease, removed), or -1 (a lease, kept) with its remaining PTTL.
+ */
+export const FORGET_LUA = `
+local head = redis.call('GETRANGE', KEYS[1], '0', '${WAITERS_OFFSET}')
+if head == '' then
+  return {0, 0}
+end
+local lease = string.sub(head, 1, 1) == '${LEASE_TAG}'
+if lease and ARGV[1] ~= '1' then
+  return {-1, redis.call('PTTL', KEYS[1])}
+end
+redis.call('DEL', KEYS[1])
+if not lease then
+  return {1, 0}
+end
+if string.sub(head, ${WAITERS_AT}, ${WAITERS_AT}) == '${WAITING}' then
+  redis.call('PUBLISH', ${CHANNEL}, '1')
+end
+return {2, 0}
+`
+
+type ScriptArg = string | number | Buffer
+type ScriptCall = (scriptOrSha: string, numberOfKeys: number, key: string, ...args: ScriptArg[]) => Promise<unknown>
+export interface ScriptingClient {
+  evalsha: ScriptCall
+  eval: ScriptCall
+  defineCommand: unknown
+}
+
+/**
+ * A script sent as `EVALSHA`, and as `EVAL` (which also loads it into the server) the first time
+ * on each client and whenever the server answers NOSCRIPT: after a restart, a failover or a
+ * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Called directly rather than
+ * through ioredis's `defineCommand`, whose wrapper adds an extra promise, a callback adapter and a
+ * rejection hook to every call (8.2 against 10.6 µs of client CPU per call:
+ * docs/benchmarks.md#measurements-behind-the-design).
+ */
+class Script {
+  readonly #lua: string
+  readonly #sha: string
+  /** Clients this script was sent to as EVAL once already. */
+  readonly #loaded = new WeakSet<object>()
+
+  constructor (lua: string) {
+    this.#lua = lua
+    this.#sha = createHash('sha1').update(lua).digest('hex')
+  }
+
+  async run (client: ScriptingClient, key: string, ...args: ScriptArg[]): Promise<number> {
+    if (this.#loaded.has(client)) {
+      try {
+        return Number(await client.evalsha(this.#sha, 1, key, ...args))
+      } catch (error) {
+        if (!(error instanceof Error) || !error.message.startsWith('NOSCRIPT')) throw error
+      }
+    }
+    this.#loaded.add(client)
+    return Number(await client.eval(this.#lua, 1, key, ...args))
+  }
+}
+
+export const END_LEASE = new Script(END_LEASE_LUA)
+export const RENEW = new Script(RENEW_LUA)
+export const MARK_WAITING = new Script(MARK_WAITING_LUA)
