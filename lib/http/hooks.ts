@@ -183,23 +183,30 @@ function onClose (reply: FastifyReply, http: HttpRequestState): void {
  */
 function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void {
   const http = (request as GuardedRequest)[kState]
-  if (http !== null) {
-    const { state } = http
-    if (state.phase === 'running') {
+  if (http === null) {
+    done(null, payload)
+    return
+  }
+  switch (http.state.phase) {
+    case 'running':
       http.handedOn = settleResponse(reply, http, payload).then((sent) => { handOn(reply, done, null, sent) }, (error: Error) => { handOn(reply, done, error) })
       return
-    }
-    if (http.handedOn !== null) {
+    case 'settling':
+    case 'storing':
+    case 'ended':
+      if (http.handedOn === null) break
       // A second send of the same reply while the first is being stored: Fastify's own, when an
       // async handler called reply.send() without returning reply, and resolved while this hook
       // was storing the response. Without the plugin the first send is written first; so here
       // too (Fastify then warns: 'did you forget to return reply').
       http.handedOn.then(() => { handOn(reply, done, null, payload) })
       return
-    }
-    // Fastify gives a Buffer without a Content-Type one of its own; the original had none.
-    if (state.replayed !== null && state.replayed.contentType === null) reply.removeHeader('content-type')
+    case 'replayed':
+      // Fastify gives a Buffer without a Content-Type one of its own; the original had none.
+      if (http.state.replayed!.contentType === null) reply.removeHeader('content-type')
+      break
   }
+  // A refusal, or the response of a handler run unprotected: it passes through.
   done(null, payload)
 }
 
