@@ -42,10 +42,10 @@ const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
  */
 export async function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null = null): Promise<Acquisition> {
   state.startAcquiring(storageKey, fingerprint, fingerprinted)
-  if (!engine.inFlight.enter(state, engine.reporter)) return enter(state, { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) })
+  if (!engine.inFlight.enter(state, engine.reporter)) return advance(state, { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) })
   let acquisition: Acquisition | undefined
   try {
-    acquisition = enter(state, await begin(engine, state))
+    acquisition = advance(state, await begin(engine, state))
     return acquisition
   } finally {
     // Only a request that runs its handler stays in flight: settling it ends it.
@@ -54,7 +54,7 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
 }
 
 /** Move the request to the phase `acquisition` leads to (`running` was entered when the lease was taken). */
-function enter (state: RequestState, acquisition: Acquisition): Acquisition {
+function advance (state: RequestState, acquisition: Acquisition): Acquisition {
   switch (acquisition.outcome) {
     case 'replay': state.replay(acquisition.response); break
     case 'refuse': state.refuse(); break

@@ -4,18 +4,17 @@
  * throws, so a request can never be settled twice, replayed after it ran, or run after a refusal.
  *
  *   keyed ──startAcquiring──> acquiring ──┬──replay──────────> replayed
- *                                         ├──refuse──────────> refused
- *                                         ├──runUnprotected──> unprotected   (store down, failOpen)
- *                                         └──hold────────────> running       (the lease is ours)
- *                                                                 │  │
- *              (transaction mode: its transaction not opened)     │  └──refuse──> refused
+ *                                         ├──refuse──────────> refused <────────┐ refuse (transaction
+ *                                         ├──runUnprotected──> unprotected      │ mode: the transaction
+ *                                         └──hold────────────> running ─────────┘ could not be opened)
  *                                                                 │
- *                     startSettling (onSend, or 'close' after a   v
- *                     hijacked reply was written)              settling ──end──> ended
- *                                                                 │               ^
- *                     (storing failed: retried while the lease    └──storeInBackground──> storing
- *                     is held, see settle.ts)                                             │
- *                                                                                         └──end──> ended
+ *                                                                 │ startSettling (onSend, or 'close'
+ *                                                                 v  of a hijacked reply)
+ *                                                              settling ──end──> ended
+ *                                                                 │                ^
+ *                     (storing failed: retried in the background  │ storeIn-       │
+ *                     while the lease is held, see settle.ts)     v Background     │
+ *                                                              storing ──end───────┘
  *
  * `replayed`, `refused`, `unprotected` and `ended` are final. A request is in flight (closing the
  * app waits for it, engine/in-flight.ts) while `acquiring`, `running`, `settling` or `storing`.
