@@ -473,7 +473,6 @@ describe('phases', () => {
       'acquiring -> running',
       'acquiring -> unprotected',
       'keyed -> acquiring',
-      'running -> refused',
       'running -> settling',
       'settling -> ended',
       'settling -> storing',

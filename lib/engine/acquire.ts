@@ -53,7 +53,7 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
   }
 }
 
-/** Move the request to the phase `acquisition` leads to (`running` was entered when the lease was taken). */
+/** Move the request to the phase `acquisition` leads to (`running` was entered when the lease was held). */
 function advance (state: RequestState, acquisition: Acquisition): Acquisition {
   switch (acquisition.outcome) {
     case 'replay': state.replay(acquisition.response); break
@@ -87,11 +87,12 @@ async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisi
     if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
     if (result.state === 'acquired') {
       if (engine.inFlight.closed) return await closedMeanwhile(engine, state, result.token)
-      state.hold(result.token)
+      const acquiredAt = Date.now()
       if (settings.transaction) {
-        const refused = await openTransaction(engine, state)
+        const refused = await openTransaction(engine, state, result.token)
         if (refused !== null) return refused
       }
+      state.hold(result.token, acquiredAt)
       engine.renewal.hold(state, taken.since)
       return RUN
     }
@@ -174,16 +175,16 @@ async function waitForLease ({ storage, deadline }: RouteEngine, storageKey: str
 /**
  * Transaction mode: the lease is already committed on its own (so duplicates see the request in
  * flight); the handler's writes and the stored response go into this transaction. `null` when it
- * is open, the refusal when it could not be opened (the lease is given back, and the request
- * moves from `running` to `refused`).
+ * is open, the refusal when it could not be opened (the lease, `token`, is given back: the handler
+ * never runs under it).
  */
-async function openTransaction ({ storage, reporter, deadline }: RouteEngine, state: RequestState): Promise<Acquisition | null> {
+async function openTransaction ({ storage, reporter, deadline }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
   try {
     state.transaction = await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
     return null
   } catch (error) {
     reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')
-    await deadline.run('release', () => storage.release(state.storageKey, state.token)).catch(() => {})
+    await deadline.run('release', () => storage.release(state.storageKey, token)).catch(() => {})
     return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
   }
 }

@@ -4,9 +4,11 @@
  * throws, so a request can never be settled twice, replayed after it ran, or run after a refusal.
  *
  *   keyed ──startAcquiring──> acquiring ──┬──replay──────────> replayed
- *                                         ├──refuse──────────> refused <────────┐ refuse (transaction
- *                                         ├──runUnprotected──> unprotected      │ mode: the transaction
- *                                         └──hold────────────> running ─────────┘ could not be opened)
+ *                                         ├──refuse──────────> refused
+ *                                         ├──runUnprotected──> unprotected   (store down, failOpen)
+ *                                         └──hold────────────> running       (the lease is ours, and
+ *                                                                 │           in transaction mode
+ *                                                                 │           its transaction open)
  *                                                                 │
  *                                                                 │ startSettling (onSend, or 'close'
  *                                                                 v  of a hijacked reply)
@@ -40,7 +42,7 @@ export type Phase =
   | 'refused'
   /** The store could not be reached and the route fails open: the handler runs without a lease. */
   | 'unprotected'
-  /** The lease is held (and renewed): the handler runs. */
+  /** The lease is held (and renewed), in transaction mode its transaction open: the handler runs. */
   | 'running'
   /** The response is being stored, or the key given back. */
   | 'settling'
@@ -53,7 +55,7 @@ export type Phase =
 export const PHASE_MOVES: { readonly [From in Phase]: readonly Phase[] } = {
   keyed: ['acquiring'],
   acquiring: ['replayed', 'refused', 'unprotected', 'running'],
-  running: ['settling', 'refused'],
+  running: ['settling'],
   settling: ['storing', 'ended'],
   storing: ['ended'],
   replayed: [],
@@ -133,11 +135,11 @@ export class RequestState implements RenewedLease {
     this.#move('unprotected')
   }
 
-  /** The lease is ours: the handler may run. */
-  hold (token: string): void {
+  /** The lease, taken at `acquiredAt` (epoch ms), is ours: the handler may run. */
+  hold (token: string, acquiredAt = Date.now()): void {
     this.#move('running')
     this.token = token
-    this.acquiredAt = Date.now()
+    this.acquiredAt = acquiredAt
   }
 
   /** The handler's response is known: store it or give the key back (settle.ts). */
