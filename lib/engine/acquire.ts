@@ -13,7 +13,7 @@ import {
 } from '../errors.js'
 import type { StoredResponse, TransactionalStorage } from '../storage/types.js'
 import { UnreadableEntryError } from '../storage/unreadable-entry.js'
-import { fingerprintRefusal } from './fingerprint-check.js'
+import { fingerprintRefusal, type FingerprintComparison } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
 import { takeLease } from './take-lease.js'
@@ -32,14 +32,20 @@ const RUN: Acquisition = { outcome: 'run' }
 const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
 
 /**
+ * Ask the store about a request in phase `keyed`, known by `storageKey` and `fingerprint`
+ * (`fingerprinted` compares a stored fingerprint that differs as text; see fingerprint-check.ts).
+ * The answer moves the request to its next phase (request-state.ts): `running`, `replayed`,
+ * `refused` or `unprotected`.
+ *
  * The request is in flight from here until it is settled (engine/in-flight.ts); once the app is
  * closing, a request that has not reached the store yet is refused instead.
  */
-export async function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string): Promise<Acquisition> {
-  if (!engine.inFlight.enter(state, engine.reporter)) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
+export async function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null = null): Promise<Acquisition> {
+  state.startAcquiring(storageKey, fingerprint, fingerprinted)
+  if (!engine.inFlight.enter(state, engine.reporter)) return advance(state, { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) })
   let acquisition: Acquisition | undefined
   try {
-    acquisition = await begin(engine, state, storageKey, fingerprint)
+    acquisition = advance(state, await begin(engine, state))
     return acquisition
   } finally {
     // Only a request that runs its handler stays in flight: settling it ends it.
@@ -47,12 +53,21 @@ export async function acquire (engine: RouteEngine, state: RequestState, storage
   }
 }
 
-async function begin (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string): Promise<Acquisition> {
+/** Move the request to the phase `acquisition` leads to (`running` was entered when the lease was held). */
+function advance (state: RequestState, acquisition: Acquisition): Acquisition {
+  switch (acquisition.outcome) {
+    case 'replay': state.replay(acquisition.response); break
+    case 'refuse': state.refuse(); break
+    case 'unprotected': state.runUnprotected(); break
+    case 'run': break
+  }
+  return acquisition
+}
+
+async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisition> {
   const { settings, reporter } = engine
+  const { storageKey, fingerprint } = state
   const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
-  state.started = performance.now()
-  state.storageKey = storageKey
-  state.fingerprint = fingerprint
   for (let attempt = 0; ; attempt++) {
     let taken
     try {
@@ -72,18 +87,19 @@ async function begin (engine: RouteEngine, state: RequestState, storageKey: stri
     if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
     if (result.state === 'acquired') {
       if (engine.inFlight.closed) return await closedMeanwhile(engine, state, result.token)
-      state.hold(result.token)
+      const acquiredAt = Date.now()
       if (settings.transaction) {
-        const refused = await openTransaction(engine, state)
+        const refused = await openTransaction(engine, state, result.token)
         if (refused !== null) return refused
       }
+      state.hold(result.token, acquiredAt)
       engine.renewal.hold(state, taken.since)
       return RUN
     }
     // A different request under this key is refused whether the first one finished or not.
     const refusal = fingerprintRefusal(engine, state, result.fingerprint)
     if (refusal !== null) return { outcome: 'refuse', error: refusal }
-    if (result.state === 'completed') return replay(engine, state, storageKey, result.response)
+    if (result.state === 'completed') return replay(engine, state, result.response)
     const now = Date.now()
     if (now >= waitUntil) {
       reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
@@ -104,17 +120,16 @@ async function closedMeanwhile ({ storage, deadline }: RouteEngine, state: Reque
 }
 
 /** Answer with the stored response, opened first when it is sealed (encryption). */
-function replay (engine: RouteEngine, state: RequestState, storageKey: string, stored: StoredResponse): Acquisition {
+function replay (engine: RouteEngine, state: RequestState, stored: StoredResponse): Acquisition {
   const { cipher, reporter } = engine
   let response = stored
   if (cipher !== null) {
     try {
-      response = cipher.open(storageKey, stored)
+      response = cipher.open(state.storageKey, stored)
     } catch (error) {
       return unreadable(engine, state, error)
     }
   }
-  state.replay(response)
   reporter.report(state, 'replay', { statusCode: response.statusCode }, 'debug', 'idempotency replay')
   return { outcome: 'replay', response }
 }
@@ -160,16 +175,16 @@ async function waitForLease ({ storage, deadline }: RouteEngine, storageKey: str
 /**
  * Transaction mode: the lease is already committed on its own (so duplicates see the request in
  * flight); the handler's writes and the stored response go into this transaction. `null` when it
- * is open, the refusal when it could not be opened (the lease is given back).
+ * is open, the refusal when it could not be opened (the lease, `token`, is given back: the handler
+ * never runs under it).
  */
-async function openTransaction ({ storage, reporter, deadline }: RouteEngine, state: RequestState): Promise<Acquisition | null> {
+async function openTransaction ({ storage, reporter, deadline }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
   try {
     state.transaction = await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
     return null
   } catch (error) {
-    state.settle()
     reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')
-    await deadline.run('release', () => storage.release(state.storageKey, state.token)).catch(() => {})
+    await deadline.run('release', () => storage.release(state.storageKey, token)).catch(() => {})
     return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
   }
 }

@@ -2,7 +2,8 @@
  * Whether a request is the one an entry (or a lease in flight) was stored for. The stored
  * fingerprint is compared as text first, which settles every request whose options have not
  * changed since; only when that differs is the request fingerprinted again, by whoever set
- * `state.fingerprinted` (the hooks), under the option set the entry was made with.
+ * the comparison the adapter handed to `acquire` (`state.fingerprinted`), under the option set the
+ * entry was made with.
  */
 import { IdempotencyFingerprintMismatchError, IdempotencyStoredResponseUnreadableError, type IdempotencyError } from '../errors.js'
 import type { RequestState } from './request-state.js'
@@ -13,6 +14,11 @@ import type { RouteEngine } from './route-engine.js'
  * Error saying why they cannot be compared (a fingerprint of an unknown version, say).
  */
 export type FingerprintVerdict = 'same' | 'different' | Error
+
+/** Compares a stored fingerprint that differs from the request's own as text. */
+export interface FingerprintComparison {
+  compare: (stored: string) => FingerprintVerdict
+}
 
 /** `null` when the request is the stored one; otherwise the refusal to answer it with. */
 export function fingerprintRefusal ({ settings, reporter }: RouteEngine, state: RequestState, stored: string): IdempotencyError | null {

@@ -61,3 +61,12 @@ export class InFlight {
     return this.#requests.size
   }
 }
+
+/** Say what became of a request still in flight when closing stopped waiting for it (`drain`). */
+export function reportStillInFlight (state: RequestState, reporter: Reporter): void {
+  // Still waiting for the store: it holds no lease, and will not run (engine/acquire.ts).
+  if (state.phase === 'acquiring') return
+  // Its lease is never given back while its handler may still run: a retry would run it alongside.
+  const what = state.phase === 'running' ? 'its handler is still running' : 'its response is still being stored'
+  reporter.report(state, 'lease-lost', { phase: 'close' }, 'error', `idempotency request still in flight when app.close() stopped waiting for it (closeTimeout): ${what}. Its lease stays held until the response is stored or the lease lapses (within lockTimeout once the app has closed); a retry after that runs the handler again`)
+}

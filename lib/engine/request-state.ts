@@ -1,20 +1,68 @@
 /**
- * What the plugin knows about one guarded request that carries a key, and the legal moves of its
- * phase:
+ * What the engine knows about one guarded request that carries a key, and its phase. Every phase
+ * is named, and every move between two of them is in PHASE_MOVES below; a move that is not there
+ * throws, so a request can never be settled twice, replayed after it ran, or run after a refusal.
  *
- *   idle ──hold()──> held ──settle()──> settling
- *     └───replay()──> replayed
+ *   keyed ──startAcquiring──> acquiring ──┬──replay──────────> replayed
+ *                                         ├──refuse──────────> refused
+ *                                         ├──runUnprotected──> unprotected   (store down, failOpen)
+ *                                         └──hold────────────> running       (the lease is ours, and
+ *                                                                 │           in transaction mode
+ *                                                                 │           its transaction open)
+ *                                                                 │
+ *                                                                 │ startSettling (onSend, or 'close'
+ *                                                                 v  of a hijacked reply)
+ *                                                              settling ──end──> ended
+ *                                                                 │                ^
+ *                     (storing failed: retried in the background  │ storeIn-       │
+ *                     while the lease is held, see settle.ts)     v Background     │
+ *                                                              storing ──end───────┘
  *
- * `idle` covers a request that was refused (mismatch, in progress, store down) too: nothing
- * happens to it after that. Only a request that holds the lease is ever settled, and only once.
+ * `replayed`, `refused`, `unprotected` and `ended` are final. A request is in flight (closing the
+ * app waits for it, engine/in-flight.ts) while `acquiring`, `running`, `settling` or `storing`.
+ *
+ * Only what the engine decides with is kept here; what the HTTP adapter needs for itself (the
+ * body as it arrived, the raw body's hash, whether the handler failed, the hand-on of the
+ * response) lives in the adapter's own per-request context (http/request-context.ts).
  */
-import type { ArrivedBody } from '../fingerprint/fingerprint.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
-import type { FingerprintVerdict } from './fingerprint-check.js'
+import type { FingerprintComparison } from './fingerprint-check.js'
 import type { RenewedLease } from './lease-renewal.js'
 import type { Logger } from './report.js'
+import { NO_RESPONSE_CALLBACKS, type ResponseCallbacks } from './route-callbacks.js'
 
-export type Phase = 'idle' | 'held' | 'settling' | 'replayed'
+export type Phase =
+  /** The key was read; the store has not been asked yet. */
+  | 'keyed'
+  /** Asking the store (`begin`), and waiting for a duplicate in flight with `waitTimeout`. */
+  | 'acquiring'
+  /** Answered with a stored response; the handler does not run. */
+  | 'replayed'
+  /** Answered with an error (mismatch, in progress, store down, closing, unreadable); the handler does not run. */
+  | 'refused'
+  /** The store could not be reached and the route fails open: the handler runs without a lease. */
+  | 'unprotected'
+  /** The lease is held (and renewed), in transaction mode its transaction open: the handler runs. */
+  | 'running'
+  /** The response is being stored, or the key given back. */
+  | 'settling'
+  /** Storing failed and is retried in the background while the lease is held; the client has its answer. */
+  | 'storing'
+  /** Settled: stored, given back, or given up on. */
+  | 'ended'
+
+/** Every legal move: from a phase (key) to the phases listed. */
+export const PHASE_MOVES: { readonly [From in Phase]: readonly Phase[] } = {
+  keyed: ['acquiring'],
+  acquiring: ['replayed', 'refused', 'unprotected', 'running'],
+  running: ['settling'],
+  settling: ['storing', 'ended'],
+  storing: ['ended'],
+  replayed: [],
+  refused: [],
+  unprotected: [],
+  ended: []
+}
 
 export class RequestState implements RenewedLease {
   /** The request's Idempotency-Key (unquoted). */
@@ -22,36 +70,25 @@ export class RequestState implements RenewedLease {
   /** The request's HTTP method, for events. */
   readonly method: string
   readonly log: Logger
-  #phase: Phase = 'idle'
+  /** The route's `storeIf` and `redact`, bound to this request by the adapter. */
+  readonly callbacks: ResponseCallbacks
+  #phase: Phase = 'keyed'
   /** performance.now() when the plugin first went to the store for this request. */
   started = 0
-  /** The key as the store sees it (see storage-key.ts); set when the plugin first goes to the store. */
+  /** The key as the store sees it (see storage-key.ts); set by `startAcquiring`. */
   storageKey = ''
+  /** The request's fingerprint; set by `startAcquiring`. */
+  fingerprint = ''
+  /** Compares a stored fingerprint that differs from `fingerprint` as text (see fingerprint-check.ts). */
+  fingerprinted: FingerprintComparison | null = null
   /** The fencing token of the lease; set by `hold`. */
   token = ''
-  /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
-  failed = false
   /** Transaction mode: the transaction the handler writes through, committed with the stored response. */
   transaction: StorageTransaction | null = null
   /** The stored response this request is answered with; set by `replay`. */
   replayed: StoredResponse | null = null
-
-  /** The body as it arrived, taken before validation (for the hooks). */
-  arrivedBody: ArrivedBody | null = null
-  /** With `fingerprint: { body: 'raw' }`: the hash of the raw body, as it is read (for the hooks). */
-  rawBody: { digest: (limit: number) => Promise<string> } | null = null
-  /** Resolves once this request's response has been handed on to Fastify after settling (for the hooks). */
-  handedOn: Promise<void> | null = null
-  /** The request's fingerprint; set with `storageKey`. */
-  fingerprint = ''
-  /** Compares a stored fingerprint that differs from `fingerprint` as text (set by the hooks; see fingerprint-check.ts). */
-  fingerprinted: { compare: (stored: string) => FingerprintVerdict } | null = null
   /** Names of the steps this run has reached (engine/steps.ts); `null` until the first. */
   steps: Set<string> | null = null
-  /** The route's `storeIf`, bound to this request; `null` when the route has none. */
-  storeIf: ((response: StoredResponse) => boolean | Promise<boolean>) | null = null
-  /** The route's `redact`, bound to this request; `null` when the route has none. */
-  redact: ((response: StoredResponse) => StoredResponse | Promise<StoredResponse>) | null = null
   /** A `complete` given up on at storeTimeout went through after all. */
   storedLate = false
   /** When the lease was acquired (epoch ms); renewal stops `maxLockHold` later. */
@@ -62,39 +99,66 @@ export class RequestState implements RenewedLease {
   previousHeld: RenewedLease | null = null
   nextHeld: RenewedLease | null = null
 
-  constructor (key: string, method: string, log: Logger) {
+  constructor (key: string, method: string, log: Logger, callbacks: ResponseCallbacks = NO_RESPONSE_CALLBACKS) {
     this.key = key
     this.method = method
     this.log = log
+    this.callbacks = callbacks
   }
 
   get phase (): Phase {
     return this.#phase
   }
 
-  /** The lease is ours: the handler may run. */
-  hold (token: string): void {
-    this.#expect('idle', 'hold')
-    this.#phase = 'held'
-    this.token = token
-    this.acquiredAt = Date.now()
+  /** The store is asked about this request, which is known by `storageKey` and `fingerprint`. */
+  startAcquiring (storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null): void {
+    this.#move('acquiring')
+    this.started = performance.now()
+    this.storageKey = storageKey
+    this.fingerprint = fingerprint
+    this.fingerprinted = fingerprinted
   }
 
   /** A stored response answers this request. */
   replay (response: StoredResponse): void {
-    this.#expect('idle', 'replay')
-    this.#phase = 'replayed'
+    this.#move('replayed')
     this.replayed = response
   }
 
-  /** Begin storing or releasing; `false` when that has begun already (or there is no lease). */
-  settle (): boolean {
-    if (this.#phase !== 'held') return false
-    this.#phase = 'settling'
-    return true
+  /** An error answers this request (before its handler ran, or instead of running it). */
+  refuse (): void {
+    this.#move('refused')
   }
 
-  #expect (phase: Phase, move: string): void {
-    if (this.#phase !== phase) throw new Error(`fastify-idempotency: cannot ${move} a request in phase ${this.#phase}`)
+  /** The handler runs without a lease (failOpen). */
+  runUnprotected (): void {
+    this.#move('unprotected')
+  }
+
+  /** The lease, taken at `acquiredAt` (epoch ms), is ours: the handler may run. */
+  hold (token: string, acquiredAt = Date.now()): void {
+    this.#move('running')
+    this.token = token
+    this.acquiredAt = acquiredAt
+  }
+
+  /** The handler's response is known: store it or give the key back (settle.ts). */
+  startSettling (): void {
+    this.#move('settling')
+  }
+
+  /** Storing failed: it goes on in the background, the lease held. */
+  storeInBackground (): void {
+    this.#move('storing')
+  }
+
+  /** Settled. */
+  end (): void {
+    this.#move('ended')
+  }
+
+  #move (to: Phase): void {
+    if (!PHASE_MOVES[this.#phase].includes(to)) throw new Error(`fastify-idempotency: a request in phase ${this.#phase} cannot move to ${to}`)
+    this.#phase = to
   }
 }

@@ -7,6 +7,16 @@
 import type { StoredResponse } from '../storage/types.js'
 import type { RequestState } from './request-state.js'
 
+/** The route's own functions of a response to store, bound to one request by the adapter. */
+export interface ResponseCallbacks {
+  /** The route's `storeIf`; `null` when the route has none. */
+  readonly storeIf: ((response: StoredResponse) => boolean | Promise<boolean>) | null
+  /** The route's `redact`; `null` when the route has none. */
+  readonly redact: ((response: StoredResponse) => StoredResponse | Promise<StoredResponse>) | null
+}
+
+export const NO_RESPONSE_CALLBACKS: ResponseCallbacks = { storeIf: null, redact: null }
+
 /** A route function that did not settle within its time limit. */
 export class RouteCallbackTimeoutError extends Error {
   constructor (name: string, timeout: number) {
@@ -40,7 +50,7 @@ export async function callOnCopy<T> (name: string, fn: (response: StoredResponse
  * ran and its operation may have taken effect, so a retry is answered with what it did rather
  * than run it a second time. The failure is logged at error level, with the key.
  */
-export async function storeIfKeeps (state: RequestState, storeIf: NonNullable<RequestState['storeIf']>, response: StoredResponse, timeout: number): Promise<boolean> {
+export async function storeIfKeeps (state: RequestState, storeIf: NonNullable<ResponseCallbacks['storeIf']>, response: StoredResponse, timeout: number): Promise<boolean> {
   try {
     const decision: unknown = await callOnCopy('storeIf', storeIf, response, timeout)
     if (typeof decision === 'boolean') return decision

@@ -44,7 +44,7 @@ function renewLease (storage: IdempotencyStorage, settings: RouteSettings, repor
   // The deadline calls through a promise, so a custom store that throws instead of rejecting
   // cannot throw out of the shared timer (which would end the process).
   deadline.run('renew', () => storage.renew(state.storageKey, state.token, settings.lockTimeout)).then((held) => {
-    if (held || state.phase !== 'held') return
+    if (held || state.phase !== 'running') return
     reporter.report(state, 'lease-lost', { phase: 'renew' }, 'warn', 'idempotency lease lost while the handler was running')
   }, (error: unknown) => {
     reporter.report(state, 'store-error', { phase: 'renew', error }, 'warn', 'idempotency lease renewal failed')

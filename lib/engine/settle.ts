@@ -8,7 +8,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import type { IdempotencyEvent } from '../diagnostics.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
 import type { RequestState } from './request-state.js'
-import { callOnCopy, storeIfKeeps } from './route-callbacks.js'
+import { callOnCopy, storeIfKeeps, type ResponseCallbacks } from './route-callbacks.js'
 import type { RouteEngine } from './route-engine.js'
 
 /** Why an executed request's response was not stored. */
@@ -31,30 +31,44 @@ export interface Settlement {
   retrying?: boolean
 }
 
+/**
+ * How the adapter ends a request that ran: the one input of `settle`.
+ *
+ * - `store`: keep `response` (the answer as sent, or only its outcome when its body cannot be
+ *   kept), unless the route's `storeIf` declines it.
+ * - `give-back`: keep nothing and free the key, for `reason`.
+ *
+ * `statusCode` is the status the client gets, for events.
+ */
+export type Ending =
+  | { kind: 'store', statusCode: number, response: StoredResponse }
+  | { kind: 'give-back', statusCode: number, reason: NotStoredReason }
+
 const STORED: Settlement = { stored: true, deliverable: true }
 
 /**
- * Settle a request whose state was moved to `settling` (`state.settle()`): `response` to store,
- * or `null` to drop the lease for `reason`. `statusCode` is what the client gets, for events.
+ * Settle a request the adapter moved to `settling` (`state.startSettling()`, done as soon as the
+ * response is known, so that a second send cannot settle it again): store the response or give
+ * the key back, as `ending` says. The request ends in `ended`, or in `storing` while storing is
+ * retried in the background.
  */
-export async function settle (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
+export async function settle (engine: RouteEngine, state: RequestState, ending: Ending): Promise<Settlement> {
   let retrying = false
   try {
     engine.renewal.drop(state)
     engine.durations.record(performance.now() - state.started)
-    // The route's storeIf sees the answer as sent, before redact takes anything out of it.
-    if (response !== null && state.storeIf !== null && !await storeIfKeeps(state, state.storeIf, response, engine.settings.storeTimeout)) {
-      response = null
-      reason = 'declined'
-    }
-    const kept = response === null || state.redact === null ? response : await redacted(state, state.redact, response, engine.settings.storeTimeout)
-    const stored = kept === null || engine.cipher === null ? kept : engine.cipher.seal(state.storageKey, kept)
+    const { kept, final } = await decide(engine, state, ending)
     const settlement = state.transaction === null
-      ? await settleAlone(engine, state, stored, reason)
-      : await settleTransaction(engine, state, state.transaction, stored, reason)
-    retrying = settlement.retrying === true
-    if (retrying) void keepStoring(engine, state, statusCode, stored!, kept!)
-    else reportExecuted(engine, state, statusCode, settlement, kept)
+      ? await settleAlone(engine, state, final)
+      : await settleTransaction(engine, state, state.transaction, final)
+    if (settlement.retrying === true && final.kind === 'store') {
+      retrying = true
+      state.storeInBackground()
+      void keepStoring(engine, state, final, kept!)
+    } else {
+      reportExecuted(engine, state, ending.statusCode, settlement, kept)
+      state.end()
+    }
     return settlement
   } finally {
     // Storing in the background keeps the request in flight until it ends.
@@ -63,12 +77,28 @@ export async function settle (engine: RouteEngine, state: RequestState, statusCo
 }
 
 /**
+ * What is to become of the response: the route's `storeIf` may decline it (the key is given back),
+ * its `redact` takes out what must not be kept, and with encryption it is sealed. `kept` is the
+ * response as kept, before sealing (for events); `final` the ending with what goes to the store.
+ */
+async function decide ({ settings, cipher }: RouteEngine, state: RequestState, ending: Ending): Promise<{ kept: StoredResponse | null, final: Ending }> {
+  if (ending.kind === 'give-back') return { kept: null, final: ending }
+  const { storeIf, redact } = state.callbacks
+  // The route's storeIf sees the answer as sent, before redact takes anything out of it.
+  if (storeIf !== null && !await storeIfKeeps(state, storeIf, ending.response, settings.storeTimeout)) {
+    return { kept: null, final: { kind: 'give-back', statusCode: ending.statusCode, reason: 'declined' } }
+  }
+  const kept = redact === null ? ending.response : await redacted(state, redact, ending.response, settings.storeTimeout)
+  return { kept, final: { kind: 'store', statusCode: ending.statusCode, response: cipher === null ? kept : cipher.seal(state.storageKey, kept) } }
+}
+
+/**
  * What the route's `redact` makes of a copy of `response`. Its status stays. When it throws,
  * returns something that is not a response or does not settle within `timeout`, only the status
  * is kept: nothing it was meant to take out is stored, and a retry still does not run the handler
  * again.
  */
-async function redacted (state: RequestState, redact: NonNullable<RequestState['redact']>, response: StoredResponse, timeout: number): Promise<StoredResponse> {
+async function redacted (state: RequestState, redact: NonNullable<ResponseCallbacks['redact']>, response: StoredResponse, timeout: number): Promise<StoredResponse> {
   const statusOnly: StoredResponse = { statusCode: response.statusCode, contentType: null, headers: {}, body: Buffer.alloc(0), bodyOmitted: true }
   try {
     const result = await callOnCopy('redact', redact, response, timeout)
@@ -86,18 +116,18 @@ async function redacted (state: RequestState, redact: NonNullable<RequestState['
   }
 }
 
-async function settleAlone (engine: RouteEngine, state: RequestState, response: StoredResponse | null, reason: NotStoredReason): Promise<Settlement> {
+async function settleAlone (engine: RouteEngine, state: RequestState, ending: Ending): Promise<Settlement> {
   const { storage, reporter, deadline } = engine
-  if (response === null) {
+  if (ending.kind === 'give-back') {
     try {
       await deadline.run('release', () => storage.release(state.storageKey, state.token))
     } catch (error) {
       reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but the key stays locked until its lease lapses')
     }
-    return { stored: false, reason, deliverable: true }
+    return { stored: false, reason: ending.reason, deliverable: true }
   }
   try {
-    if (await complete(engine, state, response)) return STORED
+    if (await complete(engine, state, ending.response)) return STORED
     reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response was stored: this response was not stored')
     return { stored: false, reason: 'lease-lost', deliverable: true }
   } catch (error) {
@@ -124,7 +154,7 @@ const LAST_STORE_RETRY_MS = 2000
  * loudly, in the log and on the diagnostics channels). Closing the app waits for it up to
  * `closeTimeout`; past that it gives up, as the store is about to be closed.
  */
-async function keepStoring (engine: RouteEngine, state: RequestState, statusCode: number, response: StoredResponse, kept: StoredResponse): Promise<void> {
+async function keepStoring (engine: RouteEngine, state: RequestState, { statusCode, response }: Extract<Ending, { kind: 'store' }>, kept: StoredResponse): Promise<void> {
   const { settings, reporter, renewal, inFlight } = engine
   // From the last renewal sent, not from now: the failed attempt took time the lease did not wait for.
   renewal.hold(state, state.renewedAt)
@@ -153,12 +183,14 @@ async function keepStoring (engine: RouteEngine, state: RequestState, statusCode
     reporter.report(state, 'store-error', { phase: 'complete' }, 'error', 'idempotency store refused the response until maxLockHold: gave up storing it; the lease lapses and a retry runs the handler again')
   }
   reportExecuted(engine, state, statusCode, settlement, kept)
+  state.end()
   inFlight.leave(state)
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
-async function settleTransaction ({ storage, settings, reporter, deadline }: RouteEngine, state: RequestState, transaction: StorageTransaction, response: StoredResponse | null, notStored: NotStoredReason): Promise<Settlement> {
-  let reason: NotStoredReason | undefined = response === null ? notStored : undefined
+async function settleTransaction ({ storage, settings, reporter, deadline }: RouteEngine, state: RequestState, transaction: StorageTransaction, ending: Ending): Promise<Settlement> {
+  const response = ending.kind === 'store' ? ending.response : null
+  let reason: NotStoredReason | undefined = ending.kind === 'give-back' ? ending.reason : undefined
   try {
     if (response !== null && await deadline.run('complete', () => transaction.complete(state.storageKey, state.token, response, settings.expiration))) {
       await deadline.run('commit', () => transaction.commit())
@@ -170,7 +202,7 @@ async function settleTransaction ({ storage, settings, reporter, deadline }: Rou
       await deadline.run('rollback', () => transaction.rollback())
     }
   } catch (error) {
-    reason = response === null ? notStored : 'store-error'
+    reason = ending.kind === 'give-back' ? ending.reason : 'store-error'
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency transaction failed: rolled back')
     await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
   }

@@ -76,9 +76,18 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   }
   if (typeof fn !== 'function') throw new TypeError(`fastify-idempotency: step '${name}' needs a function`)
   const downstream = { key: downstreamKey(state.storageKey, name), transaction: undefined }
-  // failOpen ran the handler without a lease: nothing to record into.
-  if (state.phase === 'idle') return await fn(downstream)
-  if (state.phase !== 'held') throw new Error(`fastify-idempotency: step '${name}' was called after the response was sent`)
+  switch (state.phase) {
+    case 'running':
+      break
+    // failOpen runs the handler without a lease, and before the store's answer (a hook ahead of
+    // the handler) there is none yet: nothing to record under.
+    case 'unprotected':
+    case 'keyed':
+    case 'acquiring':
+      return await fn(downstream)
+    default:
+      throw new Error(`fastify-idempotency: step '${name}' was called after the response was sent`)
+  }
   const names = state.steps ??= new Set()
   names.add(name)
   if (names.size > MAX_STEPS) throw new RangeError(`fastify-idempotency: a request may run at most ${MAX_STEPS} distinct steps`)

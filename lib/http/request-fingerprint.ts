@@ -19,7 +19,6 @@ import { IdempotencyFingerprintError, IdempotencyFingerprintUnsupportedError, ty
 import type { FingerprintVerdict } from '../engine/fingerprint-check.js'
 import { bodyPart, fingerprintDigest, rawBodyPart, type ArrivedBody, type BodyPart, type FingerprintSettings } from '../fingerprint/fingerprint.js'
 import { fingerprintRecord, legacyOptionSets, readRecord, routeTag } from '../fingerprint/record.js'
-import type { RequestState } from '../engine/request-state.js'
 import { isStreamBody, unparsedBody, type RawBodyHash } from './raw-body.js'
 
 /**
@@ -45,14 +44,12 @@ export function unparsedBodyHash (request: FastifyRequest, key: string, url: str
   }
 }
 
-/** In preHandler: the request's fingerprint record; `state` gets the comparison with a stored one. */
-export function takeFingerprint (request: FastifyRequest, settings: FingerprintSettings, state: RequestState, rawHash: string | undefined, url: string): string {
+/** In preHandler: the request's fingerprint (its record, and its comparison with a stored one), with the body `context` took in preValidation. */
+export function takeFingerprint (request: FastifyRequest, settings: FingerprintSettings, context: { readonly key: string, readonly arrivedBody?: ArrivedBody | null }, rawHash: string | undefined, url: string): Fingerprinted {
   try {
-    const fingerprinted = fingerprintRequest(request, url, settings, state.arrivedBody, rawHash)
-    state.fingerprinted = fingerprinted
-    return fingerprinted.record
+    return fingerprintRequest(request, url, settings, context.arrivedBody ?? null, rawHash)
   } catch (error) {
-    throw fingerprintFailure(error, state.key, request, url)
+    throw fingerprintFailure(error, context.key, request, url)
   }
 }
 

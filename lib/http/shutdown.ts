@@ -7,7 +7,7 @@
  * still open and their clients still connected, for at most `closeTimeout`.
  */
 import type { FastifyInstance } from 'fastify'
-import type { InFlight } from '../engine/in-flight.js'
+import { reportStillInFlight, type InFlight } from '../engine/in-flight.js'
 import { toMilliseconds } from '../options.js'
 
 export function waitForRequestsOnClose (fastify: FastifyInstance, inFlight: InFlight, closeTimeout: number): void {
@@ -15,13 +15,7 @@ export function waitForRequestsOnClose (fastify: FastifyInstance, inFlight: InFl
     if (inFlight.size > 0) {
       this.log.info(`fastify-idempotency: closing: waiting up to ${closeTimeout} ms (closeTimeout) for ${inFlight.size} guarded request(s) in flight to store their response`)
     }
-    for (const [state, reporter] of await inFlight.drain(closeTimeout)) {
-      // Still waiting for the store: it holds no lease, and will not run (engine/acquire.ts).
-      if (state.phase === 'idle') continue
-      // Its lease is never given back while its handler may still run: a retry would run it alongside.
-      const what = state.phase === 'held' ? 'its handler is still running' : 'its response is still being stored'
-      reporter.report(state, 'lease-lost', { phase: 'close' }, 'error', `idempotency request still in flight when app.close() stopped waiting for it (closeTimeout): ${what}. Its lease stays held until the response is stored or the lease lapses (within lockTimeout once the app has closed); a retry after that runs the handler again`)
-    }
+    for (const [state, reporter] of await inFlight.drain(closeTimeout)) reportStillInFlight(state, reporter)
   })
 }
 

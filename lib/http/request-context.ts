@@ -1,0 +1,103 @@
+/**
+ * What the Fastify adapter keeps for one guarded route and for one of its requests that carries a
+ * key, beside the engine's own state of that request (engine/request-state.ts): what only HTTP
+ * needs (the body as it arrived, the raw body's hash, whether the handler failed, the hand-on of
+ * the response to Fastify), and `request.idempotency`, what the handler sees.
+ */
+import type { FastifyRequest } from 'fastify'
+import { RequestState } from '../engine/request-state.js'
+import type { ResponseCallbacks } from '../engine/route-callbacks.js'
+import type { RouteEngine } from '../engine/route-engine.js'
+import { runStep, type StepFunction } from '../engine/steps.js'
+import type { ArrivedBody } from '../fingerprint/fingerprint.js'
+import type { PluginSettings, RouteSettings } from '../options.js'
+import type { StoredResponse } from '../storage/types.js'
+
+/** Where the per-request context lives (a request decoration, so request objects keep one shape). */
+export const kState = Symbol('fastify-idempotency.state')
+
+/** What a guarded request exposes to its handler as `request.idempotency`. */
+export interface IdempotencyRequestContext {
+  /** The request's Idempotency-Key (unquoted). */
+  readonly key: string
+  /**
+   * Transaction mode: the database transaction to write through (a knex transaction with
+   * KnexStorage; `transactionOf(request)` from 'fastify-idempotency/knex' returns it typed).
+   * `undefined` otherwise.
+   */
+  readonly transaction: unknown
+  /**
+   * A recovery point: run `fn` once for this key and record its result (JSON-serializable, or a
+   * Buffer). When the handler runs again for the same key and fingerprint after a run that stored
+   * no response, a step that completed returns its recorded result without calling `fn`. See
+   * docs/recovery-points.md.
+   */
+  step: <T>(name: string, fn: StepFunction<T>) => Promise<T>
+}
+
+/** One guarded route: its engine and its settings, shared by its requests. */
+export interface GuardedRoute {
+  readonly engine: RouteEngine
+  readonly plugin: PluginSettings
+  readonly settings: RouteSettings
+  /** The route's URL pattern. */
+  readonly url: string
+  /** With encryption: the keyed hash the store's keys are made with. */
+  readonly keyedHash: ((composed: string) => string) | undefined
+  /** Warned once: a signed-in client's request on a route whose keys are shared by everyone. */
+  credentialsWarned: boolean
+}
+
+/** `request.idempotency`: one per request with a key. */
+class RequestContext implements IdempotencyRequestContext {
+  readonly key: string
+  transaction: unknown = undefined
+  readonly #engine: RouteEngine
+  readonly #state: RequestState
+
+  constructor (key: string, engine: RouteEngine, state: RequestState) {
+    this.key = key
+    this.#engine = engine
+    this.#state = state
+  }
+
+  async step<T> (name: string, fn: StepFunction<T>): Promise<T> {
+    return await runStep(this.#engine, this.#state, name, fn)
+  }
+}
+
+/**
+ * The adapter's context of one guarded request with a key, from onRequest to the end of its
+ * response. It hands the engine the route's `storeIf` and `redact` bound to the request.
+ */
+export class HttpRequestState implements ResponseCallbacks {
+  readonly route: GuardedRoute
+  /** The request's Idempotency-Key (unquoted). */
+  readonly key: string
+  /** The engine's state of this request: its phase, its lease, what answers it. */
+  readonly state: RequestState
+  /** `request.idempotency`. */
+  readonly context: RequestContext
+  readonly storeIf: ResponseCallbacks['storeIf'] = null
+  readonly redact: ResponseCallbacks['redact'] = null
+  /** The body as it arrived, taken before validation (preValidation). */
+  arrivedBody: ArrivedBody | null = null
+  /** With `fingerprint: { body: 'raw' }` or a body no parser read: the hash of the raw body, as it is read. */
+  rawBody: { digest: (limit: number) => Promise<string> } | null = null
+  /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
+  failed = false
+  /** Resolves once the response has been handed on to Fastify after settling (onSend). */
+  handedOn: Promise<void> | null = null
+
+  constructor (route: GuardedRoute, request: FastifyRequest, key: string) {
+    this.route = route
+    this.key = key
+    const { redact, storeIf } = route.settings
+    if (redact !== null) this.redact = (response: StoredResponse) => redact(response, request)
+    if (storeIf !== null) this.storeIf = (response: StoredResponse) => storeIf(response, request)
+    this.state = new RequestState(key, request.method, request.log, this)
+    this.context = new RequestContext(key, route.engine, this.state)
+  }
+}
+
+export type GuardedRequest = FastifyRequest & { [kState]: HttpRequestState | null, idempotency: IdempotencyRequestContext | null }

@@ -1,0 +1,147 @@
+/**
+ * The end of a request that ran its handler, in HTTP terms. What Fastify is about to send (onSend),
+ * or what a hijacked reply wrote ('close'), becomes an `Ending` for the engine's `settle`: store
+ * this response, or give the key back for this reason. A success the engine says must not reach
+ * the client (transaction mode: its writes were rolled back) is then withheld as far as its
+ * payload still allows (`withholdSuccess`).
+ */
+import type { Readable, Transform } from 'node:stream'
+import type { FastifyReply } from 'fastify'
+import { settle, type Ending } from '../engine/settle.js'
+import { IdempotencyStoreUnavailableError } from '../errors.js'
+import type { RouteSettings } from '../options.js'
+import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, type Captured } from './capture.js'
+import type { HttpRequestState } from './request-context.js'
+
+const NOT_MODIFIED = 304
+
+/**
+ * How a response reaches the client, which decides what can still be done about a success that
+ * must not reach it: `bytes` are not sent yet, a `stream` is under way, a `hijacked` reply was
+ * written by the handler itself.
+ */
+export type Delivery = 'bytes' | 'stream' | 'hijacked'
+
+/**
+ * onSend, for a request in phase `running`: move it to `settling` at once (a second send of the
+ * reply must not settle it again), then store the response or give the key back. Resolves with
+ * the payload to hand on, which is `sent` unless it is captured on its way.
+ */
+export async function settleResponse (reply: FastifyReply, http: HttpRequestState, sent: unknown): Promise<unknown> {
+  http.state.startSettling()
+  const { settings } = http.route
+  // A Response's own status is the one sent: it decides whether the answer is kept.
+  const payload = adoptWebPayload(reply, sent)
+  const statusCode = reply.statusCode
+  const stream = isNodeStream(payload)
+  if (http.failed || !isStorable(settings, statusCode)) {
+    await end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes')
+    return payload
+  }
+  const bytes = payloadBytes(payload)
+  if (bytes !== null) {
+    await end(reply, http, bytes.length > settings.maxResponseBytes ? tooLarge(reply, http) : stored(reply, http, bytes), 'bytes')
+    return payload
+  }
+  if (stream) return captured(reply, http, payload)
+  // Anything else (a Response whose body was read already, a locked web stream, an object that
+  // is not bytes): Fastify refuses to send it, and answers 500 instead. Nothing was answered, so
+  // nothing is kept, as for an error.
+  await end(reply, http, { kind: 'give-back', statusCode, reason: 'failed' }, 'bytes')
+  return payload
+}
+
+/**
+ * 'close' of a reply that was sent without onSend (hijacked, or ended by hand), for a request in
+ * phase `running`: the body was never seen; what was written on the raw response is the outcome.
+ */
+export function settleHijacked (reply: FastifyReply, http: HttpRequestState): void {
+  http.state.startSettling()
+  const { settings, plugin } = http.route
+  const statusCode = reply.raw.statusCode
+  const keep = settings.keepUnstorable && !http.failed && isStorable(settings, statusCode)
+  void end(reply, http, keep ? { kind: 'store', statusCode, response: hijackedOutcome(reply, plugin.excludedHeaders) } : { kind: 'give-back', statusCode, reason: 'hijacked' }, 'hijacked')
+}
+
+/**
+ * What the client gets instead of a success that must not reach it (`settlement.deliverable` is
+ * false: in transaction mode, its writes were rolled back).
+ */
+export function withholdSuccess (reply: FastifyReply, key: string, delivery: Delivery): void {
+  switch (delivery) {
+    case 'bytes':
+      // Nothing is sent yet: the error answers instead (503).
+      throw new IdempotencyStoreUnavailableError(key, new Error('transaction not committed'))
+    case 'stream':
+      // Too late for another status: cut the response, so the client never sees a clean success.
+      reply.raw.destroy(new Error('fastify-idempotency: transaction not committed'))
+      break
+    case 'hijacked':
+      // The handler wrote it itself: nothing can be taken back. The engine said why it was not kept.
+      break
+  }
+}
+
+/** The one way a request that ran ends: settle it, then withhold a success that must not be delivered. */
+async function end (reply: FastifyReply, http: HttpRequestState, ending: Ending, delivery: Delivery): Promise<void> {
+  const settlement = await settle(http.route.engine, http.state, ending)
+  if (!settlement.deliverable) withholdSuccess(reply, http.key, delivery)
+}
+
+/** A stream payload: passed on while its bytes are captured; it ends once the response is settled. */
+function captured (reply: FastifyReply, http: HttpRequestState, payload: Readable): Transform {
+  const capture = captureStream(payload, http.route.settings.maxResponseBytes, Number(reply.getHeader('content-length') ?? Number.NaN))
+  capture.holdEndUntil(capture.captured.then(async (result) => { await end(reply, http, streamEnding(reply, http, result), 'stream') }))
+  return capture.stream
+}
+
+/** A stream that failed or whose client left mid-way is not an outcome: the key is freed. */
+function streamEnding (reply: FastifyReply, http: HttpRequestState, result: Captured): Ending {
+  if (result.body !== null) return stored(reply, http, result.body)
+  return result.reason === 'too-large' ? tooLarge(reply, http) : { kind: 'give-back', statusCode: reply.statusCode, reason: result.reason }
+}
+
+function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): Ending {
+  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body) }
+}
+
+/**
+ * A body that cannot be kept leaves its outcome (status and headers), unless the route frees the
+ * key instead: a retry must not run the operation again because its answer was large.
+ */
+function tooLarge (reply: FastifyReply, { route }: HttpRequestState): Ending {
+  const statusCode = reply.statusCode
+  return route.settings.keepUnstorable
+    ? { kind: 'store', statusCode, response: snapshotResponse(reply, route.plugin.excludedHeaders, null) }
+    : { kind: 'give-back', statusCode, reason: 'too-large' }
+}
+
+/**
+ * Whether a response with this status is kept. A 304 is, whatever the cacheable set: the handler
+ * ran and succeeded, and a conditional-request plugin (@fastify/etag) answered 304 after it.
+ * Releasing the key would let a retry run the operation again; the retry gets the 304 the first
+ * client got.
+ */
+function isStorable (settings: RouteSettings, statusCode: number): boolean {
+  return settings.cacheable.has(statusCode) || statusCode === NOT_MODIFIED
+}
+
+/**
+ * Hand the payload on to Fastify from a promise callback. Fastify throws from there when it refuses
+ * the payload (a Response whose body was read, say): called from the handler, that throw would
+ * have reached its error handler, so it is sent there, or the request would never be answered.
+ * When it cannot write because a response was written already (it warns of that itself), the
+ * error is kept at debug level: it must never become a rejection nobody handles, which would end
+ * the process.
+ */
+export function handOn (reply: FastifyReply, done: (error: Error | null, payload?: unknown) => void, error: Error | null, payload?: unknown): void {
+  try {
+    done(error, payload)
+  } catch (late) {
+    if (!reply.raw.headersSent) {
+      reply.send(late)
+      return
+    }
+    reply.log.debug({ err: late }, 'fastify-idempotency: a second send of this reply was not written')
+  }
+}
