@@ -26,7 +26,7 @@ import { readdirSync, readFileSync } from 'node:fs'
 import { parseArgs } from 'node:util'
 import knexFactory from 'knex'
 import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
-import { onConnection } from '../lib/storage/knex/dialect.js'
+import { onConnection } from '../lib/storage/knex/connection.js'
 import { benchEnv } from './scenarios/common.js'
 
 const { values: args } = parseArgs({ options: { ops: { type: 'string' }, rounds: { type: 'string' } } })
