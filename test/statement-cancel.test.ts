@@ -6,7 +6,7 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import knexFactory, { type Knex } from 'knex'
-import { onConnection } from '../lib/storage/knex/dialect.js'
+import { onConnection } from '../lib/storage/knex/connection.js'
 import { POSTGRES, pgConnection, service } from './helpers/services.js'
 
 const postgres = await service(POSTGRES)

@@ -1,7 +1,9 @@
 /**
- * What differs from one database to another, behind one interface, chosen once when a
- * KnexStorage is built: the statement that takes a key, the ones that end a lease, the purge,
- * and which errors are deadlocks. The statements the dialects share are here too.
+ * What KnexStorage asks of a database, as one interface: the steps of a key's life (take a lease,
+ * store a response, give a lease back, renew it, read an entry, purge), named for what they do.
+ * Each database's dialect (postgres.ts, mysql.ts, sqlite.ts) is built once per storage, for its
+ * knex and its table, and writes those steps in its own SQL; base-dialect.ts holds the steps
+ * they write the same way.
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
@@ -33,49 +35,6 @@ export function clockOf (sql: { now: string, scan: string, int: string }, now: (
   return { now: sql.int, scan: sql.int, int: sql.int, values: () => [now()] }
 }
 
-/** The lease `begin` tries to take, `lease` ms long. */
-export interface LeaseRequest {
-  id: Buffer
-  fingerprint: string
-  token: string
-  lease: number
-}
-
-/** A response to store for `ttl` ms, fenced by `token`. */
-export interface Completion {
-  id: Buffer
-  token: string
-  statusCode: number
-  contentType: string | null
-  /** The headers as JSON text. */
-  headers: string
-  /** `null` when the body was not kept (see StoredResponse.bodyOmitted). */
-  body: Buffer | null
-  ttl: number
-}
-
-export interface Dialect {
-  readonly name: SqlDialect
-  /** Once, before the first statement (MariaDB: whether the server has INSERT ... RETURNING). */
-  prepare: (knex: Knex) => Promise<void>
-  /** One attempt: the result, or `undefined` when the row it lost to changed before it could be read. */
-  begin: (knex: Knex, table: string, lease: LeaseRequest) => Promise<BeginResult | undefined>
-  /** Store the response if `token` holds the lease; how many rows changed (0 or 1). */
-  complete: (db: Knex | Knex.Transaction, table: string, completion: Completion) => Promise<number>
-  /** Drop the lease if `token` holds it; how many rows changed. */
-  release: (knex: Knex, table: string, id: Buffer, token: string) => Promise<number>
-  /** Extend the lease to `lease` ms from now if `token` holds it; how many rows changed. */
-  renew: (knex: Knex, table: string, id: Buffer, token: string, lease: number) => Promise<number>
-  /** Delete up to `batchSize` expired rows: how many it chose, and how many went. */
-  purgeBatch: (knex: Knex, table: string, batchSize: number) => Promise<{ chosen: number, deleted: number }>
-  /** How this dialect reads the time. */
-  readonly clock: Clock
-  /** How this dialect bounds a statement built with knex (see `bounded`). */
-  readonly bound: Bound
-  /** The server chose this statement as a deadlock victim: it was rolled back whole and may run again. */
-  isDeadlock: (error: unknown) => boolean
-}
-
 /** Makes a statement bounded in time (see `bounded`); the identity when nothing is bounded. */
 export type Bound = <Q extends Knex.QueryBuilder | Knex.Raw>(query: Q) => Q
 
@@ -89,97 +48,82 @@ export function bounded (ms: number): Bound {
   return (query) => query.timeout(ms, { cancel: true }) as typeof query
 }
 
-/** What the direct path needs of knex's client (see `onConnection`). */
-interface PoolClient<C> {
-  driverName?: string
-  acquireConnection: () => Promise<C>
-  releaseConnection: (connection: C) => Promise<unknown>
-  cancelQuery: (connection: C) => Promise<unknown>
+/** How a storage builds its dialect: its knex, its table, and the store's options that shape SQL. */
+export interface DialectOptions {
+  knex: Knex
+  /** The table as the caller named it (schema-qualified or not), unquoted. */
+  table: string
+  /** The longest one statement may run, in ms (0: unbounded). */
+  statementTimeout: number
+  /** The application's clock (tests); the database's when absent. */
+  now: (() => number) | undefined
+  /** PostgreSQL: send the hot statements as named prepared statements. */
+  namedStatements: boolean
 }
 
-/** The driver knex runs `db` on: `'pg'`, `'mysql2'`, `'better-sqlite3'`, ... */
-export function driverOf (db: Knex | Knex.Transaction): string | undefined {
-  return (db.client as { driverName?: string }).driverName
+/** A lease a caller holds: the key's row, fenced by the token that took it. */
+export interface HeldLease {
+  id: Buffer
+  token: string
 }
 
-/**
- * Run `query` on a connection of `db` (a pooled one, or a transaction's own), past knex's query
- * building: for the statements of the hot path, whose values knex would format and renumber on
- * every call. Bounded like `bounded`: past `ms` the server cancels the statement.
- */
-export async function onConnection<C, T> (db: Knex | Knex.Transaction, ms: number, query: (connection: C) => Promise<T>): Promise<T> {
-  const client = db.client as PoolClient<C>
-  const connection = await client.acquireConnection()
-  let cancelling: Promise<unknown> | undefined
-  const timer = ms === 0 ? undefined : setTimeout(() => { cancelling = client.cancelQuery(connection) }, ms)
-  try {
-    return await query(connection)
-  } finally {
-    clearTimeout(timer)
-    // A cancel that lands after its statement ended would stop the next statement sent on this
-    // connection: it goes back to the pool once the cancel is done, or is thrown away (as knex does).
-    await cancelling?.catch((error: unknown) => { (connection as { __knex__disposed?: unknown }).__knex__disposed = error })
-    await client.releaseConnection(connection)
-  }
+/** The lease `takeLease` tries to take, `lease` ms long. */
+export interface LeaseRequest extends HeldLease {
+  fingerprint: string
+  lease: number
 }
 
-/**
- * `complete` as one statement text with `?` placeholders (the clock's values, status, content
- * type, headers, body, the clock's values, ttl, key, token, the clock's values), for the dialects
- * that prepare it themselves (MariaDB, SQLite); the same fenced UPDATE as `updateCompleted`.
- * `table` is quoted already, `N` the clock. `lease_end` keeps when the lease ended: when the
- * response was stored.
- */
-export function completeSql (table: string, N: string): string {
-  return `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N}, status_code = ?, content_type = ?, headers = ?, body = ?, expires_at = ${N} + ?
-WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`
+/** A held lease to extend to `lease` ms from now. */
+export interface LeaseRenewal extends HeldLease {
+  lease: number
 }
 
-/** The fenced row of a held lease. */
-function heldLease (db: Knex | Knex.Transaction, table: string, id: Buffer, token: string, clock: Clock): Knex.QueryBuilder {
-  return db(table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhereRaw(`lease_end > ${clock.now}`, clock.values())
+/** A response to store for `ttl` ms, fenced by `token`. */
+export interface Completion extends HeldLease {
+  statusCode: number
+  contentType: string | null
+  /** The headers as JSON text. */
+  headers: string
+  /** `null` when the body was not kept (see StoredResponse.bodyOmitted). */
+  body: Buffer | null
+  ttl: number
 }
 
-/** `ms` from now, as a value to write. */
-function fromNow (db: Knex | Knex.Transaction, clock: Clock, ms: number): Knex.Raw {
-  return db.raw(`${clock.now} + ${clock.int}`, [...clock.values(), ms])
+/** What one purge statement did: the rows it chose, and the rows that went. */
+export interface PurgedBatch {
+  chosen: number
+  deleted: number
 }
 
-/** `complete` as a plain fenced UPDATE (MySQL, MariaDB, SQLite). */
-export async function updateCompleted (db: Knex | Knex.Transaction, table: string, c: Completion, clock: Clock, bound: Bound): Promise<number> {
-  return Number(await bound(heldLease(db, table, c.id, c.token, clock).update({
-    state: 'completed',
-    token: null,
-    // When the lease ended, which is when the response was stored (`inspect` reports it).
-    lease_end: db.raw(clock.now, clock.values()),
-    status_code: c.statusCode,
-    content_type: c.contentType,
-    headers: c.headers,
-    body: c.body,
-    expires_at: fromNow(db, clock, c.ttl)
-  })))
-}
-
-/** `release` as a plain fenced DELETE (MySQL, MariaDB, SQLite). */
-export async function deleteLease (knex: Knex, table: string, id: Buffer, token: string, clock: Clock, bound: Bound): Promise<number> {
-  return Number(await bound(heldLease(knex, table, id, token, clock).del()))
-}
-
-/** `renew` on every dialect: the lease end is also when the row stops mattering. */
-export async function extendLease (knex: Knex, table: string, id: Buffer, token: string, lease: number, clock: Clock, bound: Bound): Promise<number> {
-  return Number(await bound(heldLease(knex, table, id, token, clock).update({ lease_end: fromNow(knex, clock, lease), expires_at: fromNow(knex, clock, lease) })))
-}
-
-/**
- * A purge batch chosen by a subquery and deleted in the same statement (PostgreSQL, SQLite). The
- * outer condition is checked again on the row as it is when deleted, so a row that a `begin` took
- * over after the batch was chosen survives.
- */
-export async function purgeBySubquery (knex: Knex, table: string, batchSize: number, skipLocked: boolean, clock: Clock, bound: Bound): Promise<{ chosen: number, deleted: number }> {
-  const values = clock.values()
-  const batch = knex(table).select('idempotency_key').whereRaw(`expires_at <= ${clock.scan}`, values).limit(batchSize)
-  // Concurrent purges take disjoint batches instead of waiting on each other.
-  if (skipLocked) batch.forUpdate().skipLocked()
-  const deleted = Number(await bound(knex(table).whereIn('idempotency_key', batch).andWhereRaw(`expires_at <= ${clock.scan}`, values).del()))
-  return { chosen: deleted, deleted }
+export interface Dialect {
+  readonly name: SqlDialect
+  /** The knex instance the storage was given: the pool every step runs on. */
+  readonly knex: Knex
+  /** The table, as the caller named it. */
+  readonly table: string
+  /** How this dialect reads the time. */
+  readonly clock: Clock
+  /** How this dialect bounds a statement built with knex (see `bounded`). */
+  readonly bound: Bound
+  /** Once, before the first statement: what the server can do (MariaDB: INSERT ... RETURNING). */
+  probeServer: () => Promise<void>
+  /**
+   * One attempt to take the key's lease: `acquired`, or the live entry that holds the key, or
+   * `undefined` when the row it lost to changed before it could be read (the caller tries again).
+   */
+  takeLease: (request: LeaseRequest) => Promise<BeginResult | undefined>
+  /** Store the response if the lease is still held, on `db` (the pool, or a transaction); rows changed (0 or 1). */
+  storeResponse: (db: Knex | Knex.Transaction, completion: Completion) => Promise<number>
+  /** Drop the row if the lease is still held; rows changed (0 or 1). */
+  giveBack: (lease: HeldLease) => Promise<number>
+  /** Extend the lease if it is still held; rows changed (0 or 1). */
+  renewLease: (renewal: LeaseRenewal) => Promise<number>
+  /** The key's live entry (in flight or completed), or `undefined` when there is none. */
+  readEntry: (id: Buffer) => Promise<BeginResult | undefined>
+  /** Delete up to `batchSize` expired rows. */
+  purgeBatch: (batchSize: number) => Promise<PurgedBatch>
+  /** Wake the requests waiting for the key's lease, which was removed (PostgreSQL's NOTIFY); absent where waiters poll. */
+  wakeWaiters?: (id: Buffer) => Promise<void>
+  /** The server chose this statement as a deadlock victim: it was rolled back whole and may run again. */
+  isDeadlock: (error: unknown) => boolean
 }

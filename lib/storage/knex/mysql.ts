@@ -1,11 +1,13 @@
 /**
- * MySQL and MariaDB: `begin` is one INSERT ... ON DUPLICATE KEY UPDATE. MariaDB 10.5+ returns the
- * row from it; on MySQL a replay reads the row with a second statement.
+ * MySQL and MariaDB: `takeLease` is one INSERT ... ON DUPLICATE KEY UPDATE. MariaDB 10.5+ returns
+ * the row from it; on MySQL a replay reads the entry with a second statement.
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, clockOf, completeSql, deleteLease, driverOf, extendLease, onConnection, updateCompleted, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
-import { COLUMNS, readLive, toResult, type Row } from './rows.js'
+import { BaseDialect, completeSql, completeValues } from './base-dialect.js'
+import { driverOf, onConnection } from './connection.js'
+import { bounded, clockOf, type Completion, type DialectOptions, type HeldLease, type LeaseRequest, type PurgedBatch } from './dialect.js'
+import { COLUMNS, toResult, type Row } from './rows.js'
 
 // ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition. Assignments run
 // left to right and see the columns already assigned, so `expires_at`, which the condition reads,
@@ -14,7 +16,7 @@ import { COLUMNS, readLive, toResult, type Row } from './rows.js'
 // over is measured from when it is written. affectedRows cannot tell an insert from an untouched
 // row when the client sets CLIENT_FOUND_ROWS (mysql2 does by default), so LAST_INSERT_ID(expr),
 // which the server reports as the OK packet's insertId, does: 0 inserted, 1 taken over, 2 left alone.
-const begin = (N: string): string => `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+const takeLease = (N: string): string => `INSERT INTO ?? (idempotency_key, fingerprint, state, token, lease_end, expires_at)
 VALUES (?, ?, 'in_flight', ?, ${N} + ?, ${N} + ?)
 ON DUPLICATE KEY UPDATE
   fingerprint = IF(expires_at <= (@idempotency_now := ${N}), ?, fingerprint),
@@ -37,6 +39,7 @@ const SERVER_CLOCK = {
   int: '?'
 }
 
+/** A mysql2 connection, as far as `#execute` uses it. */
 interface ExecConnection {
   execute: (sql: string, values: unknown[], callback: (error: Error | null, rows: unknown) => void) => void
 }
@@ -51,104 +54,83 @@ export function hasInsertReturning (version: string): boolean {
   return major > 10 || (major === 10 && minor >= 5)
 }
 
-export class MysqlDialect implements Dialect {
+export class MysqlDialect extends BaseDialect {
   readonly name = 'mysql' as const
-  readonly bound: Bound
-  readonly clock: Clock
-  readonly #begin: string
-  /** MariaDB 10.5+ returns the row as it stands after the upsert, whichever branch ran: a replay needs no second statement. */
-  readonly #beginReturning: string
-  /** MariaDB 10.5+: `begin` returns the row in the upsert itself. */
+  /** The upsert, through knex (`??` for the table). */
+  readonly #takeLease: string
+  /** MariaDB 10.5+: the upsert returns the row as it stands after it, whichever branch ran: a replay needs no second statement. */
+  readonly #takeLeaseReturning: string
+  /** MariaDB 10.5+: `takeLease` returns the row in the upsert itself (see `probeServer`). */
   #returning = false
 
-  /** The upsert and complete as prepared statements (MariaDB through mysql2; see `#execute`). */
-  readonly #executeBegin: string
-  readonly #executeComplete: string
+  /** The upsert and the stored response as statements for mysql2's `execute` (see `#execute`). */
+  readonly #executeTakeLease: string
+  readonly #executeStoreResponse: string
   /** Whether `#execute` is used: MariaDB 10.5+ through knex's own mysql2 client. */
   #executing = false
 
-  constructor (table: string, statementTimeout: number, now: (() => number) | undefined) {
-    this.bound = bounded(statementTimeout)
-    this.clock = clockOf(SERVER_CLOCK, now)
-    this.#begin = begin(this.clock.now)
-    this.#beginReturning = `${this.#begin}\nRETURNING token, ${COLUMNS}`
+  constructor ({ knex, table, statementTimeout, now }: DialectOptions) {
+    super({ knex, table, clock: clockOf(SERVER_CLOCK, now), bound: bounded(statementTimeout) })
+    this.#takeLease = takeLease(this.clock.now)
+    this.#takeLeaseReturning = `${this.#takeLease}\nRETURNING token, ${COLUMNS}`
     const quoted = table.split('.').map((part) => `\`${part.replace(/`/g, '``')}\``).join('.')
     // The server cancels a statement that runs past statementTimeout, lock waits included, as
     // knex's .timeout() does for the statements it sends.
     const bound = statementTimeout > 0 ? `SET STATEMENT max_statement_time = ${statementTimeout / 1000} FOR ` : ''
-    this.#executeBegin = bound + this.#beginReturning.replace('??', quoted)
-    this.#executeComplete = bound + completeSql(quoted, this.clock.now)
+    this.#executeTakeLease = bound + this.#takeLeaseReturning.replace('??', quoted)
+    this.#executeStoreResponse = bound + completeSql(quoted, this.clock.now)
   }
 
-  /**
-   * A statement through mysql2's `execute`: prepared once per connection (mysql2 keeps them by
-   * text), then sent as values in the binary protocol, where a body travels as bytes rather than
-   * hex-encoded text in the statement, and the server does not parse it again.
-   */
-  async #execute (knex: Knex, sql: string, values: unknown[]): Promise<unknown> {
-    // Bounded by the server (max_statement_time, in the text): nothing to cancel from here.
-    return await onConnection<ExecConnection, unknown>(knex, 0, async (connection) => await new Promise((resolve, reject) => {
-      connection.execute(sql, values, (error, rows) => { if (error !== null) reject(error); else resolve(rows) })
-    }))
-  }
-
-  async prepare (knex: Knex): Promise<void> {
-    const [rows] = await knex.raw('SELECT VERSION() AS version')
+  override async probeServer (): Promise<void> {
+    const [rows] = await this.knex.raw('SELECT VERSION() AS version')
     this.#returning = hasInsertReturning(String(rows?.[0]?.version ?? ''))
-    this.#executing = this.#returning && driverOf(knex) === 'mysql2'
+    this.#executing = this.#returning && driverOf(this.knex) === 'mysql2'
   }
 
-  async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
+  async takeLease ({ id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
     const t = this.clock.values()
     // In the order of the placeholders: the insert, then the assignments' values.
-    const bindings = [table, id, fingerprint, token, ...t, lease, ...t, lease, ...t, fingerprint, token, lease, lease]
+    const bindings = [this.table, id, fingerprint, token, ...t, lease, ...t, lease, ...t, fingerprint, token, lease, lease]
     if (this.#returning) {
       const rows = this.#executing
-        ? await this.#execute(knex, this.#executeBegin, bindings.slice(1))
-        : (await this.bound(knex.raw(this.#beginReturning, bindings)))[0]
+        ? await this.#execute(this.knex, this.#executeTakeLease, bindings.slice(1))
+        : (await this.bound(this.knex.raw(this.#takeLeaseReturning, bindings)))[0]
       const row = (rows as Row[])[0]
       if (row === undefined) return undefined
       if (row.token === token) return { state: 'acquired', token }
       // The upsert left the row alone, so it was live at `now`: in flight or completed.
       return toResult(row)
     }
-    const [header] = await this.bound(knex.raw(this.#begin, bindings))
+    const [header] = await this.bound(this.knex.raw(this.#takeLease, bindings))
     const outcome = Number((header as { insertId?: unknown }).insertId)
     if (outcome === 0 || outcome === 1) return { state: 'acquired', token }
     if (outcome !== 2) throw new Error(`KnexStorage: unexpected upsert outcome ${outcome}`)
-    return await readLive(knex, table, id, this.clock, this.bound)
+    return await this.readEntry(id)
   }
 
-  async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
-    if (db.isTransaction !== true && this.#executing) {
-      const t = this.clock.values()
-      const header = await this.#execute(db, this.#executeComplete, [...t, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t]) as { affectedRows: number }
-      return header.affectedRows
-    }
-    return await updateCompleted(db, table, c, this.clock, this.bound)
+  async storeResponse (db: Knex | Knex.Transaction, c: Completion): Promise<number> {
+    if (db.isTransaction === true || !this.#executing) return await this.updateCompleted(db, c)
+    const header = await this.#execute(db, this.#executeStoreResponse, completeValues(c, this.clock)) as { affectedRows: number }
+    return header.affectedRows
   }
 
-  async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
-    return await deleteLease(knex, table, id, token, this.clock, this.bound)
-  }
-
-  async renew (knex: Knex, table: string, id: Buffer, token: string, lease: number): Promise<number> {
-    return await extendLease(knex, table, id, token, lease, this.clock, this.bound)
+  async giveBack (lease: HeldLease): Promise<number> {
+    return await this.deleteHeldLease(lease)
   }
 
   /**
    * Choose the batch with a plain read, then delete by primary key. A DELETE that walks the expiry
-   * index locks index entries before rows, the reverse of the order `begin`'s upsert takes them
-   * in, and InnoDB then keeps picking one of the two as a deadlock victim. (MySQL also refuses
-   * LIMIT inside an IN subquery.)
+   * index locks index entries before rows, the reverse of the order the upsert takes them in, and
+   * InnoDB then keeps picking one of the two as a deadlock victim. (MySQL also refuses LIMIT inside
+   * an IN subquery.)
    */
-  async purgeBatch (knex: Knex, table: string, batchSize: number): Promise<{ chosen: number, deleted: number }> {
+  async purgeBatch (batchSize: number): Promise<PurgedBatch> {
     const expired = `expires_at <= ${this.clock.scan}`
     // `id`: a name no renaming of result columns changes (see Row).
-    const rows = await this.bound(knex(table).select('idempotency_key as id').whereRaw(expired, this.clock.values())
+    const rows = await this.bound(this.knex(this.table).select('idempotency_key as id').whereRaw(expired, this.clock.values())
       .orderBy('expires_at').limit(batchSize)) as Array<{ id: Buffer }>
     if (rows.length === 0) return { chosen: 0, deleted: 0 }
-    const deleted = await this.bound(knex(table).whereIn('idempotency_key', rows.map((row) => row.id))
+    const deleted = await this.bound(this.knex(this.table).whereIn('idempotency_key', rows.map((row) => row.id))
       .andWhereRaw(expired, this.clock.values()).del())
     return { chosen: rows.length, deleted: Number(deleted) }
   }
@@ -156,5 +138,17 @@ export class MysqlDialect implements Dialect {
   isDeadlock (error: unknown): boolean {
     const { code, errno } = (error ?? {}) as { code?: unknown, errno?: unknown }
     return errno === 1213 || code === 'ER_LOCK_DEADLOCK'
+  }
+
+  /**
+   * A statement through mysql2's `execute`: prepared once per connection (mysql2 keeps them by
+   * text), then sent as values in the binary protocol, where a body travels as bytes rather than
+   * hex-encoded text in the statement, and the server does not parse it again.
+   */
+  async #execute (db: Knex | Knex.Transaction, sql: string, values: unknown[]): Promise<unknown> {
+    // Bounded by the server (max_statement_time, in the text): nothing to cancel from here.
+    return await onConnection<ExecConnection, unknown>(db, 0, async (connection) => await new Promise((resolve, reject) => {
+      connection.execute(sql, values, (error, rows) => { if (error !== null) reject(error); else resolve(rows) })
+    }))
   }
 }

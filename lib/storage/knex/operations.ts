@@ -3,21 +3,13 @@
  * key with the rows related to it, and listing the leases held. None of them is on a request's
  * path, so they go through knex's query builder, the same on every dialect.
  */
-import type { Knex } from 'knex'
 import { tokenIssuedAt } from '../tokens.js'
 import type { StorageForgetOptions, StorageForgetResult, LeaseListing, StoredState } from '../types.js'
-import type { Bound, Clock } from './dialect.js'
+import type { Dialect } from './dialect.js'
 import { encodeKey, millis, READ_COLUMNS, toBuffer, toResult, type Row } from './rows.js'
 
-/** What the operations need of a KnexStorage. */
-export interface TableView {
-  knex: Knex
-  table: string
-  clock: Clock
-  bound: Bound
-  /** Wake the requests waiting for a lease that was removed (PostgreSQL's NOTIFY); absent where waiters poll. */
-  wake?: (id: Buffer) => Promise<void>
-}
+/** What the operations need of a KnexStorage: its dialect's table, clock and bound, and its waiters. */
+export type TableView = Pick<Dialect, 'knex' | 'table' | 'clock' | 'bound' | 'wakeWaiters'>
 
 /** The bytes just past every key that starts with `prefix`, or `null` when there are none. */
 function pastPrefix (prefix: Buffer): Buffer | null {
@@ -54,7 +46,7 @@ export async function forgetRow (view: TableView, key: string, options: StorageF
     const now = await inspectRow(view, key)
     if (now.state === 'in-flight') return { outcome: 'refused', lockExpiresAt: now.lockExpiresAt }
   }
-  if (deleted > 0 && found.state === 'in-flight') await view.wake?.(id)
+  if (deleted > 0 && found.state === 'in-flight') await view.wakeWaiters?.(id)
   const prefix = encodeKey(options.relatedPrefix)
   const past = pastPrefix(prefix)
   const related = knex(table).where('idempotency_key', '>=', prefix)

@@ -10,22 +10,10 @@
  */
 import type { Knex } from 'knex'
 import { KeyWaiters, type Waiter } from '../waiters.js'
-import type { Bound, Clock } from './dialect.js'
-import { millis, trimmed } from './rows.js'
+import type { PgConnection, PostgresDialect } from './postgres.js'
+import { trimmed } from './rows.js'
 
-// A waiter marks the lease it waits for, and learns in the same step whether it is still held.
-const markWaiting = (N: string): string => `UPDATE ?? SET waiting = true
-WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ${N}
-RETURNING lease_end - ${N} AS remaining`
-
-/** The listening connection: a pg `Client` of knex's driver, outside knex's pool. */
-interface PgConnection {
-  query: (sql: string) => Promise<unknown>
-  on: (event: string, listener: (...args: any[]) => void) => unknown
-  end: () => Promise<void>
-  unref?: () => void
-}
-
+/** The listening connection (a pg `Client` of knex's driver, outside knex's pool), once it listens. */
 interface Listener {
   /** Resolves once LISTEN is in effect. */
   ready: Promise<PgConnection>
@@ -42,17 +30,12 @@ interface KnexPgClient {
 }
 
 export interface PgListenerContext {
-  knex: Knex
-  table: string
-  channel: string
-  /** The store's clock: the lease's remaining time is the database's to say. */
-  clock: Clock
-  /** Bounds a statement in time (see dialect.ts). */
-  bound: Bound
+  /** The storage's dialect: its knex, its table's channel, and the statement that marks a lease waited for. */
+  dialect: PostgresDialect
   /** Runs a statement, again if the server picked it as a deadlock victim. */
   retrying: <T>(statement: () => PromiseLike<T>) => Promise<T>
-  /** Resolves once the storage is ready (its table created). */
-  prepare: () => Promise<void>
+  /** Resolves once the storage has started (its table created). */
+  started: () => Promise<void>
 }
 
 export class PgListener {
@@ -61,11 +44,8 @@ export class PgListener {
   /** Waits by the key as notifications carry it: its UTF-8 bytes in base64. */
   readonly #waiters = new KeyWaiters()
 
-  readonly #markWaiting: string
-
   constructor (context: PgListenerContext) {
     this.#context = context
-    this.#markWaiting = markWaiting(context.clock.now)
   }
 
   /**
@@ -107,18 +87,15 @@ export class PgListener {
 
   /** Listen, then mark the row; settles the waiter at once when the lease is not held any more. */
   async #subscribe (id: Buffer, waiter: Waiter): Promise<void> {
-    const { knex, table, clock, retrying, prepare } = this.#context
+    const { dialect, retrying, started } = this.#context
     try {
-      await prepare()
+      await started()
       const listener = this.#listening()
       await listener.ready
       if (waiter.settled) return
       if (listener.failure !== undefined) throw listener.failure
       // Subscribed before the mark: the notification may overtake the mark's answer.
-      const remaining = await retrying(async () => {
-        const { rows } = await this.#context.bound(knex.raw(this.#markWaiting, [table, id, ...clock.values(), ...clock.values()]))
-        return rows.length === 0 ? undefined : millis((rows[0] as { remaining: unknown }).remaining)
-      })
+      const remaining = await retrying(() => dialect.markWaiting(id))
       if (remaining === undefined) waiter.settle()
       // A lease that lapses ends without a notification: wake up then, if that is before the timeout.
       else waiter.shorten(remaining)
@@ -138,7 +115,7 @@ export class PgListener {
   }
 
   async #open (listener: Listener): Promise<PgConnection> {
-    const { knex, channel } = this.#context
+    const { knex, channel } = this.#context.dialect
     const client = knex.client as Required<KnexPgClient>
     // A connection given as a function is resolved by the pool when it first connects.
     if (client.connectionSettings === undefined) await knex.raw('SELECT 1')

@@ -1,12 +1,15 @@
 /**
- * PostgreSQL: one statement for every outcome of `begin`, and a NOTIFY from `complete` and
- * `release` only when a waiter asked for one (see pg-listener.ts).
+ * PostgreSQL: one statement for every outcome of `takeLease`, and a NOTIFY from `storeResponse`
+ * and `giveBack` only when a waiter asked for one (see pg-listener.ts, whose statement is here
+ * too: `markWaiting`).
  */
 import { hash } from 'node:crypto'
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, clockOf, extendLease, onConnection, purgeBySubquery, type Bound, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
-import { COLUMNS, toResult, type Row } from './rows.js'
+import { BaseDialect } from './base-dialect.js'
+import { onConnection } from './connection.js'
+import { bounded, clockOf, type Completion, type DialectOptions, type HeldLease, type LeaseRequest, type PurgedBatch } from './dialect.js'
+import { COLUMNS, millis, toResult, type Row } from './rows.js'
 import { notificationChannel, quotedName } from './schema.js'
 
 // `live` reads the row as of the statement's snapshot; only when it shows nothing live does
@@ -15,7 +18,7 @@ import { notificationChannel, quotedName } from './schema.js'
 // write). When the insert lost to a row committed after our snapshot, both parts come back empty
 // and the caller runs the statement again with a fresh snapshot. `N` is the clock: read after the
 // row lock, so the lease taken over is measured from when it is written.
-const begin = (N: string, table: string): string => `WITH live AS (
+const takeLease = (N: string, table: string): string => `WITH live AS (
   SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = $1 AND expires_at > ${N}
 ), taken AS (
   INSERT INTO ${table} AS cur (idempotency_key, fingerprint, state, token, lease_end, expires_at)
@@ -30,10 +33,10 @@ const begin = (N: string, table: string): string => `WITH live AS (
 )
 SELECT (SELECT count(*) FROM taken)::integer AS taken, live.* FROM (VALUES (1)) AS one LEFT JOIN live ON true`
 
-// `release`: the fenced change, and a NOTIFY for the waiters only when one of them marked the row
+// `giveBack`: the fenced change, and a NOTIFY for the waiters only when one of them marked the row
 // (`waiting`), in the same statement. NOTIFY is not free: at commit it takes a lock global to the
-// server, so the commits of all notifying transactions take turns; a release nobody waits for
-// skips it. CASE is the construct whose order of evaluation PostgreSQL guarantees, so pg_notify
+// server, so the commits of all notifying transactions take turns; a lease given back that nobody waits
+// for skips it. CASE is the construct whose order of evaluation PostgreSQL guarantees, so pg_notify
 // runs only for a marked row. RETURNING gives `waiting` as the newest row version has it: a mark
 // that committed while the statement waited for the row lock is seen.
 const notifying = (change: string): string => `WITH done AS (
@@ -41,17 +44,22 @@ const notifying = (change: string): string => `WITH done AS (
   RETURNING waiting
 )
 SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
-// `complete`, the hot one, is a plain UPDATE: wrapped in the same CTE as `release`, first
+// `storeResponse`, the hot one, is a plain UPDATE: wrapped in the same CTE as `giveBack`, first
 // requests measured 0.69 of their floor against 0.82 (docs/benchmarks.md, "KnexStorage on
 // PostgreSQL" under #where-the-cost-is-target-by-target). Its RETURNING says whether somebody waits;
 // only then does a second statement send the NOTIFY (in transaction mode, within the
 // transaction, so it is delivered at commit). A waiter that marked the row after the UPDATE finds
 // the lease gone when it marks, and does not wait.
-const complete = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N},
+const storeResponse = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N},
     status_code = $1, content_type = $2, headers = $3, body = $4, expires_at = ${N} + $5::bigint
   WHERE idempotency_key = $6 AND token = $7 AND state = 'in_flight' AND lease_end > ${N}
   RETURNING waiting`
-const release = (N: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
+const giveBack = (N: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
+
+// A waiter marks the lease it waits for, and learns in the same step whether it is still held.
+const markWaiting = (N: string): string => `UPDATE ?? SET waiting = true
+WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ${N}
+RETURNING lease_end - ${N} AS remaining`
 
 /**
  * The server's clock in epoch ms: clock_timestamp() advances within a statement (read after a
@@ -63,19 +71,32 @@ const SERVER_CLOCK = {
   int: '?::bigint'
 }
 
-/**
- * A statement's text, and its name when it is prepared: node-postgres then sends the text once per
- * connection (Parse) and after that only the values (Bind, Execute), and PostgreSQL plans it once
- * instead of on every call. The name is unique to the table and the text.
- */
-interface Statement {
+/** A query as node-postgres takes it: by `name` when prepared, with `$n` placeholders. */
+export interface PgQuery {
   text: string
-  name: string | undefined
+  name?: string
+  values: unknown[]
 }
 
-/** A node-postgres client, as far as the direct path uses it. */
-interface PgConnection {
-  query: (config: { text: string, name?: string, values: unknown[] }) => Promise<{ rows: unknown[] }>
+/**
+ * A node-postgres client, as far as the store uses one: a pooled connection for the hot
+ * statements, the listening connection (pg-listener.ts) for LISTEN and its notifications.
+ */
+export interface PgConnection {
+  query: (query: PgQuery | string) => Promise<{ rows: unknown[] }>
+  on: (event: string, listener: (...args: any[]) => void) => unknown
+  end: () => Promise<void>
+  unref?: () => void
+}
+
+/**
+ * A hot statement's text, and its name when it is prepared: node-postgres then sends the text
+ * once per connection (Parse) and after that only the values (Bind, Execute), and PostgreSQL plans
+ * it once instead of on every call. The name is unique to the table and the text.
+ */
+interface PgStatement {
+  text: string
+  name: string | undefined
 }
 
 /** 40001 only arises when the server's default isolation is stricter than READ COMMITTED. */
@@ -89,76 +110,82 @@ const DEADLOCK_CODES = new Set(['40P01', '40001'])
  */
 const LOST_STATEMENT_CODES = new Set(['26000', '42P05'])
 
-export class PostgresDialect implements Dialect {
+export class PostgresDialect extends BaseDialect {
   readonly name = 'postgres' as const
   /** The table's NOTIFY channel (see pg-listener.ts). */
   readonly channel: string
-  readonly bound: Bound
-  readonly clock: Clock
   readonly #statementTimeout: number
-  readonly #begin: Statement
-  readonly #complete: Statement
-  readonly #release: string
-  /** Whether statements are sent by name: `preparedStatements`, until the server turns out not to hold them. */
+  readonly #takeLease: PgStatement
+  readonly #storeResponse: PgStatement
+  readonly #giveBack: string
+  readonly #markWaiting: string
+  /** Whether hot statements are sent by name: `namedStatements`, until the server turns out not to hold them. */
   #named: boolean
 
   /**
-   * `prepared`: name the hot statements, so each connection parses and plans them once. `begin`
-   * and `complete` run on a connection directly, with `$n` placeholders: knex would format and
-   * renumber their values on every call (`onConnection`).
+   * `namedStatements`: name the hot statements, so each connection parses and plans them once.
+   * `takeLease` and `storeResponse` run on a connection directly, with `$n` placeholders: knex
+   * would format and renumber their values on every call (`onConnection`).
    */
-  constructor (table: string, statementTimeout: number, now: (() => number) | undefined, prepared: boolean) {
+  constructor ({ knex, table, statementTimeout, now, namedStatements }: DialectOptions) {
+    super({ knex, table, clock: clockOf(SERVER_CLOCK, now), bound: bounded(statementTimeout) })
     this.channel = notificationChannel(table)
     this.#statementTimeout = statementTimeout
-    this.bound = bounded(statementTimeout)
-    this.clock = clockOf(SERVER_CLOCK, now)
     const quoted = quotedName(table)
     // With the application's clock (tests), its value is the statement's last parameter.
     const at = (index: number): string => now === undefined ? SERVER_CLOCK.now : `$${index}::bigint`
-    const statement = (text: string): Statement => ({ text, name: prepared ? `idempotency_${hash('sha256', text, 'hex').slice(0, 40)}` : undefined })
-    this.#named = prepared
-    this.#begin = statement(begin(at(5), quoted))
-    this.#complete = statement(complete(at(8), quoted))
-    this.#release = release(this.clock.now)
+    const statement = (text: string): PgStatement => ({ text, name: namedStatements ? `idempotency_${hash('sha256', text, 'hex').slice(0, 40)}` : undefined })
+    this.#named = namedStatements
+    this.#takeLease = statement(takeLease(at(5), quoted))
+    this.#storeResponse = statement(storeResponse(at(8), quoted))
+    this.#giveBack = giveBack(this.clock.now)
+    this.#markWaiting = markWaiting(this.clock.now)
   }
 
-  async prepare (): Promise<void> {}
-
-  async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
-    const { rows } = await this.#run(knex, this.#begin, [id, fingerprint, token, lease, ...this.clock.values()])
+  async takeLease ({ id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
+    const { rows } = await this.#runHot(this.knex, this.#takeLease, [id, fingerprint, token, lease, ...this.clock.values()])
     const row = rows[0] as (Row & { taken: number }) | undefined
     if (row !== undefined && Number(row.taken) === 1) return { state: 'acquired', token }
     if (row === undefined || row.state === null) return undefined
     return toResult(row)
   }
 
-  async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
-    const { rows } = await this.#run(db, this.#complete, [c.statusCode, c.contentType, c.headers, c.body, c.ttl, c.id, c.token, ...this.clock.values()])
+  async storeResponse (db: Knex | Knex.Transaction, c: Completion): Promise<number> {
+    const { rows } = await this.#runHot(db, this.#storeResponse, [c.statusCode, c.contentType, c.headers, c.body, c.ttl, c.id, c.token, ...this.clock.values()])
     if (rows.length === 0) return 0
-    if ((rows[0] as { waiting: boolean }).waiting) await this.bound(db.raw('SELECT pg_notify(?, ?)', [this.channel, c.id.toString('base64')]))
+    if ((rows[0] as { waiting: boolean }).waiting) await this.#notify(db, c.id)
     return rows.length
   }
 
-  async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
-    return await this.#notifying(knex, this.#release, id, [table, id, token, ...this.clock.values()])
+  /** Notifications carry the key's bytes in base64. */
+  async giveBack ({ id, token }: HeldLease): Promise<number> {
+    const { rows } = await this.bound(this.knex.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
+    return Number((rows[0] as { changed: unknown }).changed)
   }
 
-  async renew (knex: Knex, table: string, id: Buffer, token: string, lease: number): Promise<number> {
-    return await extendLease(knex, table, id, token, lease, this.clock, this.bound)
+  async purgeBatch (batchSize: number): Promise<PurgedBatch> {
+    return await this.purgeBySubquery(batchSize, { skipLocked: true })
   }
 
-  async purgeBatch (knex: Knex, table: string, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    return await purgeBySubquery(knex, table, batchSize, true, this.clock, this.bound)
+  async wakeWaiters (id: Buffer): Promise<void> {
+    await this.#notify(this.knex, id)
+  }
+
+  /**
+   * Mark the held lease on `id` as waited for, so that its end is notified: the ms it has left, or
+   * `undefined` when it is not held any more.
+   */
+  async markWaiting (id: Buffer): Promise<number | undefined> {
+    const { rows } = await this.bound(this.knex.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
+    return rows.length === 0 ? undefined : millis((rows[0] as { remaining: unknown }).remaining)
   }
 
   isDeadlock (error: unknown): boolean {
     return DEADLOCK_CODES.has(String((error as { code?: unknown } | null)?.code))
   }
 
-  /** A `release`: how many rows it changed. Notifications carry the key's bytes in base64. */
-  async #notifying (db: Knex | Knex.Transaction, sql: string, id: Buffer, bindings: Knex.RawBinding[]): Promise<number> {
-    const { rows } = await this.bound(db.raw(sql, [...bindings, this.channel, id.toString('base64')]))
-    return Number((rows[0] as { changed: unknown }).changed)
+  async #notify (db: Knex | Knex.Transaction, id: Buffer): Promise<void> {
+    await this.bound(db.raw('SELECT pg_notify(?, ?)', [this.channel, id.toString('base64')]))
   }
 
   /**
@@ -168,10 +195,10 @@ export class PostgresDialect implements Dialect {
    * error has aborted it, so it is passed on (the request's transaction fails, as on any store
    * error), and the next requests are unaffected.
    */
-  async #run (db: Knex | Knex.Transaction, { text, name }: Statement, values: unknown[]): Promise<{ rows: unknown[] }> {
-    if (!this.#named) return await this.#send(db, text, undefined, values)
+  async #runHot (db: Knex | Knex.Transaction, { text, name }: PgStatement, values: unknown[]): Promise<{ rows: unknown[] }> {
+    if (!this.#named) return await this.#send(db, { text, values })
     try {
-      return await this.#send(db, text, name, values)
+      return await this.#send(db, { text, name, values })
     } catch (error) {
       const code = String((error as { code?: unknown } | null)?.code)
       if (!LOST_STATEMENT_CODES.has(code)) throw error
@@ -183,12 +210,12 @@ export class PostgresDialect implements Dialect {
           'Set preparedStatements: false to start that way.', { type: 'FastifyIdempotencyWarning', code: 'FASTIFY_IDEMPOTENCY_UNPREPARED' })
       }
       if ((db as Partial<Knex.Transaction>).isTransaction === true) throw error
-      return await this.#send(db, text, undefined, values)
+      return await this.#send(db, { text, values })
     }
   }
 
-  /** One statement on a connection of `db`, by `name` when given (prepared), else unnamed. */
-  async #send (db: Knex | Knex.Transaction, text: string, name: string | undefined, values: unknown[]): Promise<{ rows: unknown[] }> {
-    return await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query({ text, name, values }))
+  /** One query on a connection of `db`. */
+  async #send (db: Knex | Knex.Transaction, query: PgQuery): Promise<{ rows: unknown[] }> {
+    return await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query(query))
   }
 }

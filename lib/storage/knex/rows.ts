@@ -2,10 +2,8 @@
  * Between KnexStorage and the drivers: keys as bytes, rows as results, and values as pg, mysql2
  * and better-sqlite3 return them (a BIGINT may come back as a number, a numeric string or a bigint).
  */
-import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
 import { UnreadableEntryError } from '../unreadable-entry.js'
-import type { Clock } from './dialect.js'
 import { MAX_KEY_BYTES } from './schema.js'
 
 /**
@@ -91,12 +89,6 @@ function storedHeaders (text: string): Record<string, string | string[]> {
   }
   if (headers === null || typeof headers !== 'object' || Array.isArray(headers)) throw new UnreadableEntryError('KnexStorage: the row\'s headers are not an object')
   return headers as Record<string, string | string[]>
-}
-
-/** The row as a live result, or `undefined` when it vanished or died since an upsert saw it. */
-export async function readLive (db: Knex, table: string, id: Buffer, clock: Clock, bound: <Q extends Knex.QueryBuilder>(query: Q) => Q): Promise<BeginResult | undefined> {
-  const row = await bound(db(table).first(READ_COLUMNS).where('idempotency_key', id).andWhereRaw(`expires_at > ${clock.now}`, clock.values())) as Row | undefined
-  return row === undefined ? undefined : toResult(row)
 }
 
 /**

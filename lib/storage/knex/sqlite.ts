@@ -1,22 +1,24 @@
 /**
- * SQLite: `begin` reads the row first, so a replay is one read and never a write (which would take
- * SQLite's one write lock); only a key that is absent or dead goes on to the upsert, which takes
- * the row when it is still absent or dead and says with RETURNING whether it did. SQLite runs one
- * writer at a time, so there are no deadlocks to retry.
+ * SQLite: `takeLease` reads the entry first, so a replay is one read and never a write (which
+ * would take SQLite's one write lock); only a key that is absent or dead goes on to the upsert,
+ * which takes the row when it is still absent or dead and says with RETURNING whether it did.
+ * SQLite runs one writer at a time, so there are no deadlocks to retry.
  *
- * With better-sqlite3, the hot statements (read, upsert, complete) are prepared once per
+ * With better-sqlite3, the hot statements (read, upsert, stored response) are prepared once per
  * connection and run on it directly: knex prepares a statement anew on every query, which cost
  * more than running it.
  */
 import type { Knex } from 'knex'
 import type { BeginResult } from '../types.js'
-import { bounded, clockOf, completeSql, deleteLease, driverOf, onConnection, extendLease, purgeBySubquery, updateCompleted, type Clock, type Completion, type Dialect, type LeaseRequest } from './dialect.js'
-import { COLUMNS, readLive, toResult, type Row } from './rows.js'
+import { BaseDialect, completeSql, completeValues } from './base-dialect.js'
+import { driverOf, onConnection } from './connection.js'
+import { bounded, clockOf, type Completion, type DialectOptions, type HeldLease, type LeaseRequest, type PurgedBatch } from './dialect.js'
+import { COLUMNS, toResult, type Row } from './rows.js'
 import { quotedName } from './schema.js'
 
 // Unqualified columns in DO UPDATE ... WHERE are the existing row's. SQLite's 'now' is one
 // instant for the whole statement.
-const begin = (N: string, table: string): string => `INSERT INTO ${table} (idempotency_key, fingerprint, state, token, lease_end, expires_at)
+const takeLease = (N: string, table: string): string => `INSERT INTO ${table} (idempotency_key, fingerprint, state, token, lease_end, expires_at)
 VALUES (?, ?, 'in_flight', ?, ${N} + ?, ${N} + ?)
 ON CONFLICT (idempotency_key) DO UPDATE SET
   fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
@@ -28,14 +30,14 @@ RETURNING token`
 /** The database's clock in epoch ms, from julianday, which every SQLite version has (unixepoch came in 3.38). */
 const NOW = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
 
-const readLiveSql = (N: string, table: string): string => `SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = ? AND expires_at > ${N}`
+const readEntry = (N: string, table: string): string => `SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = ? AND expires_at > ${N}`
 
 /** A better-sqlite3 statement, as far as it is used here. */
-interface Statement {
+interface SqliteStatement {
   all: (...values: unknown[]) => unknown[]
   run: (...values: unknown[]) => { changes: number }
 }
-interface Connection { prepare: (sql: string) => Statement }
+interface SqliteConnection { prepare: (sql: string) => SqliteStatement }
 
 function isBetterSqlite (db: Knex | Knex.Transaction): boolean {
   return driverOf(db) === 'better-sqlite3'
@@ -44,69 +46,67 @@ function isBetterSqlite (db: Knex | Knex.Transaction): boolean {
 /** better-sqlite3 runs each statement to its end synchronously: there is nothing to cancel. */
 const unbounded = bounded(0)
 
-export class SqliteDialect implements Dialect {
+export class SqliteDialect extends BaseDialect {
   readonly name = 'sqlite' as const
-  readonly clock: Clock
-  readonly bound = unbounded
-  readonly #sql: { readLive: string, begin: string, complete: string }
+  readonly #sql: { readEntry: string, takeLease: string, storeResponse: string }
   /** Statements prepared on each connection (better-sqlite3 only), by SQL text. */
-  readonly #prepared = new WeakMap<Connection, Map<string, Statement>>()
+  readonly #statements = new WeakMap<SqliteConnection, Map<string, SqliteStatement>>()
 
-  constructor (table: string, now: (() => number) | undefined) {
-    this.clock = clockOf({ now: NOW, scan: NOW, int: '?' }, now)
+  constructor ({ knex, table, now }: DialectOptions) {
+    super({ knex, table, clock: clockOf({ now: NOW, scan: NOW, int: '?' }, now), bound: unbounded })
     const quoted = quotedName(table)
-    this.#sql = { readLive: readLiveSql(this.clock.now, quoted), begin: begin(this.clock.now, quoted), complete: completeSql(quoted, this.clock.now) }
+    const N = this.clock.now
+    this.#sql = { readEntry: readEntry(N, quoted), takeLease: takeLease(N, quoted), storeResponse: completeSql(quoted, N) }
   }
 
-  async prepare (): Promise<void> {}
-
-  async begin (knex: Knex, table: string, { id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
-    const live = await this.#readLive(knex, table, id)
+  async takeLease ({ id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
+    const live = await this.#readEntry(id)
     if (live !== undefined) return live
     const t = this.clock.values()
-    const rows = await this.#run(knex, this.#sql.begin, [id, fingerprint, token, ...t, lease, ...t, lease, ...t], 'all') as unknown[]
+    const rows = await this.#rows(this.#sql.takeLease, [id, fingerprint, token, ...t, lease, ...t, lease, ...t])
     if (rows.length === 1) return { state: 'acquired', token }
     // Another process took the key between the read and the upsert.
-    return await readLive(knex, table, id, this.clock, unbounded)
+    return await this.readEntry(id)
   }
 
-  async complete (db: Knex | Knex.Transaction, table: string, c: Completion): Promise<number> {
+  async storeResponse (db: Knex | Knex.Transaction, c: Completion): Promise<number> {
     // A transaction holds the one connection: its statements go through it, as knex sends them.
-    if (db.isTransaction === true || !isBetterSqlite(db)) return await updateCompleted(db, table, c, this.clock, unbounded)
-    const t = this.clock.values()
-    return await this.#run(db, this.#sql.complete, [...t, c.statusCode, c.contentType, c.headers, c.body, ...t, c.ttl, c.id, c.token, ...t], 'run') as number
+    if (db.isTransaction === true || !isBetterSqlite(db)) return await this.updateCompleted(db, c)
+    return await this.#prepared(this.#sql.storeResponse, (statement) => statement.run(...completeValues(c, this.clock)).changes)
   }
 
-  async release (knex: Knex, table: string, id: Buffer, token: string): Promise<number> {
-    return await deleteLease(knex, table, id, token, this.clock, unbounded)
+  async giveBack (lease: HeldLease): Promise<number> {
+    return await this.deleteHeldLease(lease)
   }
 
-  async renew (knex: Knex, table: string, id: Buffer, token: string, lease: number): Promise<number> {
-    return await extendLease(knex, table, id, token, lease, this.clock, unbounded)
-  }
-
-  async purgeBatch (knex: Knex, table: string, batchSize: number): Promise<{ chosen: number, deleted: number }> {
-    return await purgeBySubquery(knex, table, batchSize, false, this.clock, unbounded)
+  async purgeBatch (batchSize: number): Promise<PurgedBatch> {
+    return await this.purgeBySubquery(batchSize, { skipLocked: false })
   }
 
   isDeadlock (): boolean {
     return false
   }
 
-  async #readLive (knex: Knex, table: string, id: Buffer): Promise<BeginResult | undefined> {
-    const rows = await this.#run(knex, this.#sql.readLive, [id, ...this.clock.values()], 'all') as Row[]
+  /** `readEntry` on the hot path: prepared once per connection with better-sqlite3. */
+  async #readEntry (id: Buffer): Promise<BeginResult | undefined> {
+    const rows = await this.#rows(this.#sql.readEntry, [id, ...this.clock.values()]) as Row[]
     return rows.length === 0 ? undefined : toResult(rows[0]!)
   }
 
-  /** A statement with better-sqlite3, prepared once per connection; a read through knex otherwise. */
-  async #run (knex: Knex, sql: string, values: unknown[], mode: 'all' | 'run'): Promise<unknown[] | number> {
-    if (!isBetterSqlite(knex)) return await knex.raw(sql, values as Knex.RawBinding[]) as unknown[]
-    return await onConnection<Connection, unknown[] | number>(knex, 0, async (connection) => {
-      let statements = this.#prepared.get(connection)
-      if (statements === undefined) this.#prepared.set(connection, statements = new Map())
+  /** The rows of a statement: prepared once per connection with better-sqlite3, through knex otherwise. */
+  async #rows (sql: string, values: unknown[]): Promise<unknown[]> {
+    if (!isBetterSqlite(this.knex)) return await this.knex.raw(sql, values as Knex.RawBinding[]) as unknown[]
+    return await this.#prepared(sql, (statement) => statement.all(...values))
+  }
+
+  /** Run `use` with `sql` prepared on a pooled better-sqlite3 connection (once per connection). */
+  async #prepared<T> (sql: string, use: (statement: SqliteStatement) => T): Promise<T> {
+    return await onConnection<SqliteConnection, T>(this.knex, 0, async (connection) => {
+      let statements = this.#statements.get(connection)
+      if (statements === undefined) this.#statements.set(connection, statements = new Map())
       let statement = statements.get(sql)
       if (statement === undefined) statements.set(sql, statement = connection.prepare(sql))
-      return mode === 'all' ? statement.all(...values) : statement.run(...values).changes
+      return use(statement)
     })
   }
 }

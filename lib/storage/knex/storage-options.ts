@@ -1,0 +1,54 @@
+/**
+ * KnexStorage's options, and how they are checked before a dialect is built from them.
+ */
+import type { Knex } from 'knex'
+import type { DialectOptions } from './dialect.js'
+import { DEFAULT_TABLE_NAME } from './schema.js'
+
+export interface KnexStorageOptions {
+  /** A knex instance (pg, mysql2/mysql, better-sqlite3/sqlite3). Never destroyed by the storage. */
+  knex: Knex
+  /** Table holding keys, leases and responses; may be schema-qualified. Default `'idempotency_keys'`. */
+  tableName?: string
+  /** Create the table and its index on first use if missing (`CREATE TABLE IF NOT EXISTS`). Default `false`. */
+  createTable?: boolean
+  /**
+   * Clock in epoch milliseconds, for tests that move time. By default leases and expiries are
+   * measured by the database's clock when they are written, so no wait for a pool connection or
+   * a row lock can shorten them.
+   */
+  now?: () => number
+  /**
+   * The longest one statement may run, in ms; past it the server cancels it (PostgreSQL,
+   * MySQL/MariaDB), so a row locked by another transaction (a migration, a long batch job) never
+   * keeps a pooled connection busy. Keep it below the plugin's `storeTimeout`. 0 disables it.
+   * Default 4000.
+   */
+  statementTimeout?: number
+  /**
+   * PostgreSQL: send the store's statements as named prepared statements, parsed and planned once
+   * per connection. Default `true`. Set `false` behind a pooler that cannot keep them (PgBouncer
+   * in transaction mode before 1.21).
+   */
+  preparedStatements?: boolean
+}
+
+export interface PurgeExpiredOptions {
+  /** Rows deleted per statement, so a large purge never holds long locks. Default 1000. */
+  batchSize?: number
+}
+
+/** Below the plugin's default storeTimeout (5 s), so the store cancels before the plugin gives up. */
+const DEFAULT_STATEMENT_TIMEOUT = 4000
+
+/** The options, checked, as a dialect is built from them. */
+export function dialectOptions (options: KnexStorageOptions): DialectOptions {
+  if (options === null || typeof options !== 'object') throw new TypeError('KnexStorage: options { knex } are required')
+  const table = options.tableName ?? DEFAULT_TABLE_NAME
+  if (typeof table !== 'string' || table.length === 0) throw new TypeError('KnexStorage: tableName must be a non-empty string')
+  if (options.now !== undefined && typeof options.now !== 'function') throw new TypeError('KnexStorage: now must be a function')
+  const statementTimeout = options.statementTimeout ?? DEFAULT_STATEMENT_TIMEOUT
+  if (!Number.isSafeInteger(statementTimeout) || statementTimeout < 0) throw new TypeError('KnexStorage: statementTimeout must be a whole number of milliseconds, or 0')
+  if (options.preparedStatements !== undefined && typeof options.preparedStatements !== 'boolean') throw new TypeError('KnexStorage: preparedStatements must be a boolean')
+  return { knex: options.knex, table, statementTimeout, now: options.now, namedStatements: options.preparedStatements ?? true }
+}
