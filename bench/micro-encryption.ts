@@ -7,6 +7,11 @@
  *   npx tsx bench/micro-encryption.ts <dir> [<dir> ...]  # also other copies of encryption.ts and
  *                                                        # storage/memory.ts, runs interleaved
  *
+ * A copy of an earlier version, for instance (its imports pointed back at lib/):
+ *   mkdir -p bench/results/before && git show <commit>:lib/encryption.ts |
+ *     sed "s#'./storage/#'../../../lib/storage/#" > bench/results/before/encryption.ts
+ *   git show <commit>:lib/storage/memory.ts | sed "s#'./#'../../../lib/storage/#" > bench/results/before/memory.ts
+ *
  * Instruction counts, which the machine's load does not move: `MICRO_CASE=<name> MICRO_COUNT=<n>`
  * runs one case of the first subject once, after a fixed warm-up, and nothing else; run it under
  * `valgrind --tool=callgrind` with two counts and divide the difference of the totals by the
