@@ -15,7 +15,7 @@
  *
  * where meta holds the content type, the headers, and whether the body was omitted.
  */
-import { createCipheriv, createDecipheriv, createHmac, randomBytes } from 'node:crypto'
+import { createCipheriv, createDecipheriv, createHmac, createSecretKey, randomFillSync, type KeyObject } from 'node:crypto'
 import type { StoredResponse } from './storage/types.js'
 import { UnreadableEntryError } from './storage/unreadable-entry.js'
 
@@ -64,71 +64,133 @@ function secretBytes (value: unknown, name: string, exact: boolean): Buffer {
   return Buffer.from(bytes)
 }
 
+/** A configured key: its id as two 32-bit halves (compared in place in an envelope), its key object. */
+interface OpeningKey {
+  idHigh: number
+  idLow: number
+  key: KeyObject
+}
+
 export class ResponseCipher {
-  /** Key id -> key; the first entry seals. */
-  readonly #keys: Map<string, Buffer>
+  /** The first one seals. A handful at most: looked through in order, with no allocation. */
+  readonly #keys: OpeningKey[]
   readonly #sealingId: Buffer
-  readonly #sealingKey: Buffer
-  readonly #hashSecret: Buffer
+  /**
+   * Key objects made once: createCipheriv and createHmac take their handle as it is, where a
+   * Buffer is validated and copied into a new native key on every call.
+   */
+  readonly #sealingKey: KeyObject
+  readonly #hashSecret: KeyObject
+  readonly #ivs = new IvPool()
 
   constructor (options: EncryptionOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('fastify-idempotency: invalid options: encryption must be an object { keys, keyHashSecret }')
     if (!Array.isArray(options.keys) || options.keys.length === 0) throw new TypeError('fastify-idempotency: invalid options: encryption.keys must be a non-empty array of 32-byte keys')
-    this.#keys = new Map()
-    for (const [index, key] of options.keys.entries()) {
+    this.#keys = []
+    const ids = options.keys.map((key, index) => {
       const bytes = secretBytes(key, `keys[${index}]`, true)
-      this.#keys.set(keyId(bytes).toString('hex'), bytes)
-    }
-    this.#sealingKey = secretBytes(options.keys[0], 'keys[0]', true)
-    this.#sealingId = keyId(this.#sealingKey)
-    this.#hashSecret = secretBytes(options.keyHashSecret, 'keyHashSecret', false)
+      const id = keyId(bytes)
+      this.#keys.push({ idHigh: id.readUInt32BE(0), idLow: id.readUInt32BE(4), key: createSecretKey(bytes) })
+      return id
+    })
+    this.#sealingKey = this.#keys[0]!.key
+    this.#sealingId = ids[0]!
+    this.#hashSecret = createSecretKey(secretBytes(options.keyHashSecret, 'keyHashSecret', false))
   }
 
   /** The storage key for a key and scope, composed as engine/storage-key.ts composes them. */
   hashKey (composed: string): string {
-    // UTF-16 code units, so that scopes with lone surrogates hash apart.
-    return KEYED_HASH_PREFIX + createHmac('sha256', this.#hashSecret).update(Buffer.from(composed, 'utf16le')).digest('base64url')
+    // UTF-16 code units, so that scopes with lone surrogates hash apart (encoded by the native
+    // side, without a Buffer in between).
+    return KEYED_HASH_PREFIX + createHmac('sha256', this.#hashSecret).update(composed, 'utf16le').digest('base64url')
   }
 
   seal (storageKey: string, response: StoredResponse): StoredResponse {
     const meta: Meta = { c: response.contentType, h: response.headers }
     if (response.bodyOmitted === true) meta.o = true
-    const metaBytes = Buffer.from(JSON.stringify(meta))
-    const length = Buffer.alloc(4)
-    length.writeUInt32BE(metaBytes.length)
-    const iv = randomBytes(IV_BYTES)
+    const plain = plaintext(JSON.stringify(meta), response.bodyOmitted === true ? EMPTY : response.body)
+    const iv = this.#ivs.next()
     const cipher = createCipheriv('aes-256-gcm', this.#sealingKey, iv)
     cipher.setAAD(associatedData(storageKey, response.statusCode))
-    const parts = [cipher.update(length), cipher.update(metaBytes), response.bodyOmitted === true ? Buffer.alloc(0) : cipher.update(response.body), cipher.final()]
-    const header = Buffer.alloc(HEADER_BYTES)
-    header.writeUInt8(VERSION, 0)
-    this.#sealingId.copy(header, 1)
-    iv.copy(header, 1 + KEY_ID_BYTES)
-    cipher.getAuthTag().copy(header, 1 + KEY_ID_BYTES + IV_BYTES)
-    return { statusCode: response.statusCode, contentType: SEALED_CONTENT_TYPE, headers: {}, body: Buffer.concat([header, ...parts]) }
+    const encrypted = cipher.update(plain)
+    cipher.final()
+    // Every byte is written below. A small envelope is a slice of Node's shared pool, as
+    // Buffer.concat would make it: the cheapest allocation (MemoryStorage keeps a copy of its own).
+    const envelope = Buffer.allocUnsafe(HEADER_BYTES + encrypted.length)
+    envelope[0] = VERSION
+    envelope.set(this.#sealingId, 1)
+    envelope.set(iv, 1 + KEY_ID_BYTES)
+    envelope.set(cipher.getAuthTag(), 1 + KEY_ID_BYTES + IV_BYTES)
+    envelope.set(encrypted, HEADER_BYTES)
+    return { statusCode: response.statusCode, contentType: SEALED_CONTENT_TYPE, headers: {}, body: envelope }
   }
 
   /** The response a sealed entry holds; throws UnreadableEntryError when it cannot be opened. */
   open (storageKey: string, entry: StoredResponse): StoredResponse {
     if (entry.contentType !== SEALED_CONTENT_TYPE) throw new UnreadableEntryError('the entry is not sealed')
     const body = entry.body
-    if (body.length < HEADER_BYTES || body.readUInt8(0) !== VERSION) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
-    const key = this.#keys.get(body.subarray(1, 1 + KEY_ID_BYTES).toString('hex'))
+    if (body.length < HEADER_BYTES || body[0] !== VERSION) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
+    const key = this.#openingKey(body)
     if (key === undefined) throw new UnreadableEntryError('the entry was sealed with a key that is no longer configured')
     let plain: Buffer
     try {
       const decipher = createDecipheriv('aes-256-gcm', key, body.subarray(1 + KEY_ID_BYTES, 1 + KEY_ID_BYTES + IV_BYTES))
       decipher.setAAD(associatedData(storageKey, entry.statusCode))
       decipher.setAuthTag(body.subarray(1 + KEY_ID_BYTES + IV_BYTES, HEADER_BYTES))
-      plain = Buffer.concat([decipher.update(body.subarray(HEADER_BYTES)), decipher.final()])
+      plain = decipher.update(body.subarray(HEADER_BYTES))
+      // GCM returns nothing more here; final() is what checks the tag.
+      decipher.final()
     } catch (error) {
       throw new UnreadableEntryError('the entry failed authentication: it was altered, or moved from another key', { cause: error })
     }
     const metaLength = plain.readUInt32BE(0)
-    const meta = JSON.parse(plain.subarray(4, 4 + metaLength).toString()) as Meta
+    const meta = JSON.parse(plain.toString('utf8', 4, 4 + metaLength)) as Meta
     const response: StoredResponse = { statusCode: entry.statusCode, contentType: meta.c, headers: meta.h, body: plain.subarray(4 + metaLength) }
     if (meta.o === true) response.bodyOmitted = true
     return response
+  }
+
+  #openingKey (envelope: Buffer): KeyObject | undefined {
+    const high = envelope.readUInt32BE(1)
+    const low = envelope.readUInt32BE(5)
+    for (const key of this.#keys) if (key.idHigh === high && key.idLow === low) return key.key
+    return undefined
+  }
+}
+
+const EMPTY = Buffer.alloc(0)
+
+/**
+ * What is encrypted, in one buffer: meta length (4) | meta JSON | body. One cipher call costs a
+ * native call and a new output buffer; copying a body of a few KiB costs less than either.
+ */
+function plaintext (metaJson: string, body: Buffer): Buffer {
+  const metaLength = Buffer.byteLength(metaJson)
+  const plain = Buffer.allocUnsafe(4 + metaLength + body.length)
+  plain.writeUInt32BE(metaLength, 0)
+  plain.write(metaJson, 4)
+  plain.set(body, 4 + metaLength)
+  return plain
+}
+
+/**
+ * Random 96-bit IVs, drawn from the system's CSPRNG 4 KiB at a time instead of one native call per
+ * entry: the same randomness, each IV handed out once. GCM's limit for random IVs (2^32 entries
+ * per key) is unchanged.
+ */
+class IvPool {
+  static readonly #COUNT = 340
+  readonly #pool = Buffer.allocUnsafeSlow(IV_BYTES * IvPool.#COUNT)
+  #next = IvPool.#COUNT
+
+  /** A fresh IV; valid until the next call (the cipher copies it when it is set up). */
+  next (): Buffer {
+    if (this.#next === IvPool.#COUNT) {
+      randomFillSync(this.#pool)
+      this.#next = 0
+    }
+    const offset = IV_BYTES * this.#next++
+    return this.#pool.subarray(offset, offset + IV_BYTES)
   }
 }
 

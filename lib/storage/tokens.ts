@@ -24,11 +24,17 @@ const COUNTER_DIGITS = TOKEN_LENGTH - 1 - TIME_DIGITS - RANDOM_CHARS
 export class TokenGenerator {
   readonly #random = randomBytes(12).toString('base64url').slice(0, RANDOM_CHARS)
   #count = 0
+  /** The last issue time and the token's start for it: requests in the same millisecond share it. */
+  #time = NaN
+  #prefix = ''
 
   /** A new token, dated `now` (epoch ms). */
   next (now: number = Date.now()): string {
-    return DATED + Math.floor(now).toString(36).padStart(TIME_DIGITS, '0') + this.#random +
-      (++this.#count).toString(36).padStart(COUNTER_DIGITS, '0')
+    if (now !== this.#time) {
+      this.#time = now
+      this.#prefix = DATED + Math.floor(now).toString(36).padStart(TIME_DIGITS, '0') + this.#random
+    }
+    return this.#prefix + (++this.#count).toString(36).padStart(COUNTER_DIGITS, '0')
   }
 }
 

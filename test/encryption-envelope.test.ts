@@ -1,0 +1,65 @@
+/**
+ * The sealed envelope across versions of the code: entries sealed before ResponseCipher reused
+ * its per-key set-up (test/fixtures/sealed-v1.json) still open, to the same response; the keyed
+ * hash of a key and scope never changes (another hash would find none of the stored entries); and
+ * what is sealed now keeps the version 1 layout, so a process still running the earlier code
+ * opens it during a rolling deploy.
+ */
+import { readFileSync } from 'node:fs'
+import { describe, expect, it } from 'vitest'
+import { ResponseCipher, SEALED_CONTENT_TYPE } from '../lib/encryption.js'
+import type { StoredResponse } from '../lib/index.js'
+
+interface FixtureResponse { statusCode: number, contentType: string | null, headers: Record<string, string | string[]>, body: string, bodyOmitted?: boolean }
+interface Fixture {
+  keys: { key1: string, key2: string }
+  keyHashSecret: string
+  hashes: Record<string, string>
+  entries: Array<{ sealedWith: 'key1' | 'key2', storageKey: string, sealed: FixtureResponse, response: FixtureResponse }>
+}
+
+const fixture = JSON.parse(readFileSync(new URL('./fixtures/sealed-v1.json', import.meta.url), 'utf8')) as Fixture
+const stored = (response: FixtureResponse): StoredResponse => ({ ...response, body: Buffer.from(response.body, 'base64') })
+const both = new ResponseCipher({ keys: [fixture.keys.key2, fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+
+describe('sealed envelope, version 1', () => {
+  it('opens every entry sealed by the earlier code, to the response that was sealed', () => {
+    for (const entry of fixture.entries) {
+      expect(both.open(entry.storageKey, stored(entry.sealed))).toEqual(stored(entry.response))
+      const one = new ResponseCipher({ keys: [fixture.keys[entry.sealedWith]], keyHashSecret: fixture.keyHashSecret })
+      expect(one.open(entry.storageKey, stored(entry.sealed))).toEqual(stored(entry.response))
+    }
+  })
+
+  it('still binds each of them to its storage key and status', () => {
+    for (const entry of fixture.entries) {
+      expect(() => both.open(`${entry.storageKey}x`, stored(entry.sealed))).toThrow(/altered, or moved/)
+      expect(() => both.open(entry.storageKey, { ...stored(entry.sealed), statusCode: entry.sealed.statusCode + 1 })).toThrow(/altered, or moved/)
+    }
+  })
+
+  it('refuses them without the key that sealed them', () => {
+    const [first] = fixture.entries
+    const other = new ResponseCipher({ keys: [fixture.keys.key2], keyHashSecret: fixture.keyHashSecret })
+    expect(() => other.open(first!.storageKey, stored(first!.sealed))).toThrow(/no longer configured/)
+  })
+
+  it('hashes keys and scopes exactly as before', () => {
+    for (const [composed, hash] of Object.entries(fixture.hashes)) expect(both.hashKey(composed)).toBe(hash)
+  })
+
+  it('seals in the same layout: version, key id, IV, tag, then the ciphertext of meta length, meta and body, nothing more', () => {
+    const sealer = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+    const [first] = fixture.entries
+    const response = stored(first!.response)
+    const sealed = sealer.seal(first!.storageKey, response)
+    const old = stored(first!.sealed).body
+    expect(sealed.contentType).toBe(SEALED_CONTENT_TYPE)
+    expect(sealed.headers).toEqual({})
+    expect(sealed.body.length).toBe(old.length)
+    expect(sealed.body.subarray(0, 9)).toEqual(old.subarray(0, 9))
+    // A fresh IV per entry.
+    expect(sealer.seal(first!.storageKey, response).body.subarray(9, 21)).not.toEqual(sealed.body.subarray(9, 21))
+    expect(both.open(first!.storageKey, sealed)).toEqual(response)
+  })
+})
