@@ -5,7 +5,28 @@ import { storageConformance } from '../lib/storage/conformance.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
 import idempotency from '../lib/index.js'
 
-storageConformance('memory', () => new MemoryStorage(), { describe, it, beforeEach, afterAll }, { operations: ['inspect', 'forget', 'listInFlight'] })
+storageConformance('memory', () => new MemoryStorage(), { describe, it, beforeEach, afterAll }, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+
+describe('the conformance suite, for a store that offers fewer optional methods', () => {
+  /** The titles the suite registers, run or skipped, without running any. */
+  const registered = (options: Parameters<typeof storageConformance>[3]) => {
+    const run: string[] = []
+    const skipped: string[] = []
+    const it = Object.assign((name: string) => { run.push(name) }, { skip: (name: string) => { skipped.push(name) } })
+    storageConformance('recorded', () => new MemoryStorage(), { describe: (_name, fn) => fn(), it, beforeEach: () => {}, afterAll: () => {} }, options)
+    return { run, skipped }
+  }
+
+  it('reports the tests of waitFor and of the operations methods it does not say it offers as skipped, with the reason', () => {
+    const { run, skipped } = registered({})
+    expect(skipped.filter((name) => name.startsWith('waitFor: '))).toHaveLength(2)
+    expect(skipped.every((name) => /\[skipped: the store does not offer (waitFor|inspect|forget|listInFlight)/.test(name))).toBe(true)
+    expect(run.some((name) => /waitFor|inspect|forget|listInFlight/.test(name))).toBe(false)
+    const all = registered({ operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+    expect(all.skipped).toEqual([])
+    expect(all.run).toHaveLength(run.length + skipped.length)
+  })
+})
 
 const response = (bytes: number) => ({ statusCode: 201, contentType: 'application/json', headers: {}, body: Buffer.alloc(bytes, 1) })
 

@@ -110,8 +110,8 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
   })
 
   const harness = { describe, it, beforeEach, afterAll }
-  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
-  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
+  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
 
   describe('round trips', () => {
     /** Names of the commands ioredis hands to the connection while `fn` runs. */
