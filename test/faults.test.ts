@@ -7,6 +7,7 @@ import { Writable } from 'node:stream'
 import Fastify from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
 
 type Method = 'begin' | 'complete' | 'release' | 'renew'
 
@@ -88,11 +89,7 @@ describe('store failures', () => {
     await new Promise((resolve) => setTimeout(resolve, 900))
     expect((await t.post(key)).statusCode).toBe(409)
     down.delete('complete')
-    let retry = await t.post(key)
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await t.post(key)
-    }
+    const retry = await resendWhile([409], () => t.post(key))
     expect(retry.statusCode).toBe(201)
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.json()).toEqual({ run: 1 })
@@ -105,11 +102,7 @@ describe('store failures', () => {
     const key = newKey()
     down.add('complete')
     expect((await t.post(key)).statusCode).toBe(201)
-    let retry = await t.post(key)
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await t.post(key)
-    }
+    const retry = await resendWhile([409], () => t.post(key))
     expect(retry.statusCode).toBe(201)
     expect(t.runs()).toBe(2)
     expect(t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))).toBe(true)
@@ -212,11 +205,7 @@ describe('a store that never answers', () => {
     await new Promise((resolve) => setTimeout(resolve, 900))
     expect((await t.post(key)).statusCode).toBe(409)
     hang = false
-    let retry = await t.post(key)
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await t.post(key)
-    }
+    const retry = await resendWhile([409], () => t.post(key))
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(t.runs()).toBe(1)
   })

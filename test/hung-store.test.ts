@@ -15,6 +15,7 @@ import { dropIdempotencyTable } from '../lib/knex.js'
 import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
 
 const STORE_TIMEOUT = 300
 /** storeTimeout, the deadline check's granularity (an eighth of it), and time to answer. */
@@ -126,11 +127,7 @@ for (const target of targets) {
           proxy.restore()
         }
         // And it recovers without a restart once the server answers again.
-        let res = await post(newKey())
-        for (let attempt = 0; attempt < 40 && res.statusCode === 503; attempt++) {
-          await new Promise((resolve) => setTimeout(resolve, 100))
-          res = await post(newKey())
-        }
+        const res = await resendWhile([503], () => post(newKey()), { attempts: 40, pause: 100 })
         expect(res.statusCode).toBe(201)
       })
     }

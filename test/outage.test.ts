@@ -15,6 +15,7 @@ import { dropIdempotencyTable } from '../lib/knex.js'
 import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
 
 interface Target {
   name: string
@@ -126,9 +127,8 @@ for (const target of targets) {
       expect(Date.now() - started).toBeLessThan(10_000)
       expect(t.runs()).toBe(1)
       proxy.restore()
-      let recovered = await t.post(key)
       // A pool may hand out one connection that died with the cut before it notices.
-      for (let attempt = 0; attempt < 5 && recovered.statusCode === 503; attempt++) recovered = await t.post(key)
+      const recovered = await resendWhile([503], () => t.post(key), { attempts: 5, pause: 0 })
       expect(recovered.statusCode).toBe(201)
       expect((await t.post(key)).headers['idempotent-replayed']).toBe('true')
       expect(t.runs()).toBe(2)
@@ -160,11 +160,7 @@ for (const target of targets) {
       // While the store is away the lease is held (renewal and storing are retried): a retry now
       // must never run the handler a second time.
       proxy.restore()
-      let retry = await t.post(key)
-      for (let attempt = 0; attempt < 100 && (retry.statusCode === 503 || retry.statusCode === 409); attempt++) {
-        await new Promise((resolve) => setTimeout(resolve, 50))
-        retry = await t.post(key)
-      }
+      const retry = await resendWhile([503, 409], () => t.post(key))
       expect(retry.statusCode).toBe(201)
       expect(retry.headers['idempotent-replayed']).toBe('true')
       expect(retry.json()).toEqual({ run: 1 })
