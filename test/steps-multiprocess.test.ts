@@ -11,7 +11,7 @@ import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { MARIADB, POSTGRES, REDIS, service, type Availability } from './helpers/services.js'
-import { dropNamespace, effectCount, startServers, type ServerProcess } from './helpers/processes.js'
+import { effectCount, sharedServers, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-steps-'))
@@ -52,20 +52,8 @@ async function post (server: ServerProcess, key: string, headers: Record<string,
 for (const { store, availability, env } of stores) {
   describe.skipIf(!availability.available)(`recovery points across processes on ${store}${availability.reason}`, () => {
     const namespace = `steps_${store}_${process.pid}_${Date.now()}`
-    let servers: ServerProcess[] = []
-    let waiting: ServerProcess[] = []
-
-    beforeAll(async () => {
-      const base = { STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), PROVIDER_URL: providerUrl, ...env }
-      // The first is killed by the SIGKILL test; the other two serve the rest.
-      servers = await startServers(3, base)
-      waiting = await startServers(2, { ...base, WAIT: '1' })
-    }, 120_000)
-
-    afterAll(async () => {
-      await Promise.all([...servers, ...waiting].map((server) => server.kill()))
-      await dropNamespace(store, namespace)
-    })
+    // The first of `servers` is killed by the SIGKILL test; the other two serve the rest.
+    const { servers, waiting } = sharedServers(store, namespace, async () => ({ STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), PROVIDER_URL: providerUrl, ...env }))
 
     it('after a SIGKILL between the two steps, the retry from another process runs the second step only', async () => {
       const key = newKey('kill')

@@ -7,6 +7,7 @@ import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { Redis } from 'ioredis'
 import knexFactory from 'knex'
+import { afterAll, beforeAll } from 'vitest'
 import { bundle } from './bundle.js'
 import { REDIS, deleteRedisPrefix, mysqlConnection, pgConnection } from './services.js'
 
@@ -61,6 +62,26 @@ export async function startServer (env: Record<string, string>): Promise<ServerP
 
 export async function startServers (count: number, env: Record<string, string>): Promise<ServerProcess[]> {
   return Promise.all(Array.from({ length: count }, () => startServer(env)))
+}
+
+/**
+ * The server processes a describe's tests share, on one store under `namespace`: three, and two in
+ * wait mode, with `env()` (read when they start, before the first test). Killed after the last
+ * test, and what they stored is dropped. The arrays are filled once they have started.
+ */
+export function sharedServers (store: string, namespace: string, env: () => Promise<Record<string, string>>): { servers: ServerProcess[], waiting: ServerProcess[] } {
+  const servers: ServerProcess[] = []
+  const waiting: ServerProcess[] = []
+  beforeAll(async () => {
+    const base = await env()
+    servers.push(...await startServers(3, base))
+    waiting.push(...await startServers(2, { ...base, WAIT: '1' }))
+  }, 120_000)
+  afterAll(async () => {
+    await Promise.all([...servers, ...waiting].map((server) => server.kill()))
+    await dropNamespace(store, namespace)
+  })
+  return { servers, waiting }
 }
 
 export interface Answer { status: number, body: string, replayed: boolean }
