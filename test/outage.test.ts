@@ -5,15 +5,11 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { Writable } from 'node:stream'
-import { Redis } from 'ioredis'
-import knexFactory, { type Knex } from 'knex'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
-import { RedisStorage } from '../lib/redis.js'
-import { KnexStorage } from '../lib/knex.js'
-import { dropIdempotencyTable } from '../lib/knex.js'
-import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
+import { proxiedKnex, proxiedRedis } from './helpers/proxied-stores.js'
 import { newKey } from './helpers/app.js'
 import { resendWhile } from './helpers/resend.js'
 
@@ -28,17 +24,7 @@ interface Target {
 const stamp = `${process.pid}_${Date.now()}`
 
 function sql (name: string, client: 'pg' | 'mysql2', base: Record<string, unknown>): Target['connect'] {
-  return async (port) => {
-    const knex: Knex = knexFactory({ client, connection: { ...base, port }, pool: { min: 0, max: 4 }, acquireConnectionTimeout: 2000 })
-    const table = `outage_${name}_${stamp}`
-    return {
-      storage: new KnexStorage({ knex, tableName: table, createTable: true }),
-      dispose: async () => {
-        await dropIdempotencyTable(knex, table).catch(() => {})
-        await knex.destroy()
-      }
-    }
-  }
+  return async (port) => proxiedKnex(port, client, base, `outage_${name}_${stamp}`, { pool: { min: 0, max: 4 }, acquireConnectionTimeout: 2000 })
 }
 
 const targets: Target[] = [
@@ -46,19 +32,8 @@ const targets: Target[] = [
     name: 'redis',
     availability: await service(REDIS),
     server: REDIS,
-    connect: async (port) => {
-      // The client options docs/stores/redis.md recommends to fail fast.
-      const client = new Redis({ host: '127.0.0.1', port, enableAutoPipelining: true, maxRetriesPerRequest: 1, commandTimeout: 2000 })
-      client.on('error', () => {})
-      const prefix = `outage:${stamp}:`
-      return {
-        storage: new RedisStorage({ client, prefix }),
-        dispose: async () => {
-          await deleteRedisPrefix(client, prefix)
-          client.disconnect()
-        }
-      }
-    }
+    // The client options docs/stores/redis.md recommends to fail fast.
+    connect: async (port) => proxiedRedis(port, `outage:${stamp}:`, { enableAutoPipelining: true, maxRetriesPerRequest: 1, commandTimeout: 2000 })
   },
   { name: 'postgres', availability: await service(POSTGRES), server: POSTGRES, connect: sql('postgres', 'pg', pgConnection) },
   { name: 'mariadb', availability: await service(MARIADB), server: MARIADB, connect: sql('mariadb', 'mysql2', mysqlConnection) }
