@@ -8,6 +8,7 @@ import Fastify from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
 import { resendWhile } from './helpers/resend.js'
+import { Gate } from './helpers/gate.js'
 
 type Method = 'begin' | 'complete' | 'release' | 'renew'
 
@@ -138,9 +139,8 @@ describe('store failures', () => {
     await app.register(idempotency, { storage, lockTimeout: 150 })
     app.setErrorHandler(idempotencyErrorHandler())
     let runs = 0
-    let open!: () => void
-    const gate = new Promise<void>((resolve) => { open = resolve })
-    app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate; return { ok: true } })
+    const gate = new Gate()
+    app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate.hold(); return { ok: true } })
     const key = newKey()
     const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     while (renewals.length < 4) await new Promise((resolve) => setTimeout(resolve, 20))
@@ -148,7 +148,7 @@ describe('store failures', () => {
     // them the 150 ms lease would have lapsed.
     const retry = await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     expect(retry.statusCode).toBe(409)
-    open()
+    gate.open()
     expect((await first).statusCode).toBe(200)
     expect(runs).toBe(1)
     const count = renewals.length

@@ -7,6 +7,7 @@ import { createIdempotencyTable, dropIdempotencyTable, notificationChannel } fro
 import { buildApp, newKey } from './helpers/app.js'
 import { EXPIRY, LEASE, type PgClient, pgDriver, postgres, response, uniqueTable } from './helpers/knex-targets.js'
 import { pgConnection } from './helpers/services.js'
+import { Gate } from './helpers/gate.js'
 
 /**
  * Wait mode on PostgreSQL: LISTEN/NOTIFY between storages on separate knex instances (as between
@@ -297,18 +298,15 @@ describe.skipIf(!postgres.available)(`KnexStorage waitFor on PostgreSQL (LISTEN/
     let begins = 0
     store.begin = (...args) => { begins++; return begin(...args) }
 
-    let open!: () => void
-    const gate = new Promise<void>((resolve) => { open = resolve })
-    let started!: () => void
-    const running = new Promise<void>((resolve) => { started = resolve })
+    const gate = new Gate()
     const { app, runs } = await buildApp({ storage: store, wait: true, waitTimeout: '20s' }, {
-      '/slow': async (_request, reply) => { started(); await gate; reply.code(201); return { done: true } }
+      '/slow': async (_request, reply) => { await gate.hold(); reply.code(201); return { done: true } }
     })
     try {
       const key = newKey('plugin')
       const post = () => app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: { a: 1 } })
       const first = post()
-      await running
+      await gate.entered
       const duplicate = post()
       // The duplicate is parked in waitFor, its mark on the row, before the first one finishes.
       const storageKey = `${(await db(name).first('idempotency_key')).idempotency_key.toString('utf8')}`
@@ -316,7 +314,7 @@ describe.skipIf(!postgres.available)(`KnexStorage waitFor on PostgreSQL (LISTEN/
       expect(waits).toHaveLength(1)
       expect(waits[0]!.timeout).toBeGreaterThan(10_000)
       const opened = performance.now()
-      open()
+      gate.open()
       const [original, replayed] = await Promise.all([first, duplicate])
       expect(original.statusCode).toBe(201)
       expect(replayed.statusCode).toBe(201)
