@@ -98,7 +98,7 @@ for (const encrypted of [false, true]) {
           if (ordersDown) throw new Error('the orders database is down')
           return { charge: charge.id }
         })
-        return app
+        return { app }
       })
 
       const post = async (path: string, key: string, headers: Record<string, string> = {}) => {

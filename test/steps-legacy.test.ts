@@ -64,7 +64,7 @@ for (const encrypted of [false, true]) {
           if (ordersDown) throw new Error('the orders database is down')
           return { charge: charge.id }
         })
-        return app
+        return { app }
       })
 
       const checkout = async () => {

@@ -10,14 +10,14 @@ export interface Served {
 }
 
 /**
- * The app `build` makes on a new storage of `store`, listening on a free loopback port, for a
- * describe's tests: made before the first test, closed after the last, and the store's namespace
- * dropped. Its fields are set once the app listens.
+ * The app `build` makes on a new storage of `store` (with whatever else it gives the tests),
+ * listening on a free loopback port, for a describe's tests: made before the first test, closed
+ * after the last, and the store's namespace dropped. Its fields are set once the app listens.
  */
-export function servedOn (store: Pick<StoreCase, 'create' | 'cleanup'>, build: (storage: IdempotencyStorage) => Promise<FastifyInstance>): Served {
-  const served = {} as Served
+export function servedOn<T extends { app: FastifyInstance }> (store: Pick<StoreCase, 'create' | 'cleanup'>, build: (storage: IdempotencyStorage) => Promise<T>): T & Served {
+  const served = {} as T & Served
   beforeAll(async () => {
-    served.app = await build(await store.create())
+    Object.assign(served, await build(await store.create()))
     served.url = await served.app.listen({ host: '127.0.0.1', port: 0 })
   })
   afterAll(async () => {
