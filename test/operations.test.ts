@@ -22,6 +22,7 @@ import { ResponseCipher } from '../lib/encryption.js'
 import { storageKey } from '../lib/engine/storage-key.js'
 import { servedOn } from './helpers/served.js'
 import { storeCases } from './helpers/stores.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const ENCRYPTION = { keys: [randomBytes(32)], keyHashSecret: randomBytes(32) }
 const EXPIRATION = 3_600_000
@@ -101,10 +102,7 @@ for (const encrypted of [false, true]) {
         return { app }
       })
 
-      const post = async (path: string, key: string, headers: Record<string, string> = {}) => {
-        const res = await fetch(`${served.url}${path}`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json', ...headers }, body: '{"sku":"A1"}' })
-        return { status: res.status, replayed: res.headers.get('idempotent-replayed') === 'true', body: await res.text() }
-      }
+      const post = (path: string, key: string, headers: Record<string, string> = {}) => postWithKey(`${served.url}${path}`, key, '{"sku":"A1"}', headers)
 
       it('tells a key absent, in flight and stored apart, and shows the body only when asked', async () => {
         const key = fresh('order')

@@ -14,6 +14,7 @@ import { stepRecordPrefix } from '../lib/engine/steps.js'
 import { storageKey } from '../lib/engine/storage-key.js'
 import { servedOn } from './helpers/served.js'
 import { storeCases, type StoreCase } from './helpers/stores.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const ENCRYPTION = { keys: [randomBytes(32)], keyHashSecret: randomBytes(32) }
 
@@ -68,8 +69,8 @@ for (const encrypted of [false, true]) {
       })
 
       const checkout = async () => {
-        const res = await fetch(`${served.url}/checkout`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, body: '{"amount":4200}' })
-        return { status: res.status, body: await res.text() }
+        const { status, body } = await postWithKey(`${served.url}/checkout`, key, '{"amount":4200}')
+        return { status, body }
       }
 
       it('replays a record kept where an earlier version kept it, and answers 409 for a step it is running', async () => {

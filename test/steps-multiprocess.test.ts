@@ -13,6 +13,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { MARIADB, POSTGRES, REDIS, service, type Availability } from './helpers/services.js'
 import { effectCount, sharedServers, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-steps-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
@@ -44,9 +45,8 @@ const stores: Array<{ store: string, availability: Availability, env: Record<str
 
 const LOCK_TIMEOUT = 1500
 
-async function post (server: ServerProcess, key: string, headers: Record<string, string> = {}): Promise<{ status: number, body: string }> {
-  const res = await fetch(`${server.url}/steps`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key, ...headers }, body: '{"amount":4200}' })
-  return { status: res.status, body: await res.text() }
+function post (server: ServerProcess, key: string, headers: Record<string, string> = {}): Promise<{ status: number, body: string }> {
+  return postWithKey(`${server.url}/steps`, key, '{"amount":4200}', headers)
 }
 
 for (const { store, availability, env } of stores) {

@@ -10,6 +10,7 @@ import Fastify, { type FastifyInstance, type FastifyRequest } from 'fastify'
 import type { Knex } from 'knex'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyEvent, type IdempotencyOptions, type IdempotencyStorage, type TransactionalStorage } from '../lib/index.js'
 import { storeCases } from './helpers/stores.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const cases = await storeCases()
 
@@ -47,10 +48,7 @@ for (const store of cases) {
       return `${await app.listen({ host: '127.0.0.1', port: 0 })}/checkout`
     }
 
-    const post = async (url: string, key: string, body: object = { amount: 1 }): Promise<{ status: number, body: string }> => {
-      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(body) })
-      return { status: res.status, body: await res.text() }
-    }
+    const post = (url: string, key: string, body: object = { amount: 1 }): Promise<{ status: number, body: string }> => postWithKey(url, key, body)
 
     /** One run of `key` that fails where `failure` says; the runs after it do not fail. */
     const runFailing = async (failure: 'after-first' | 'inside', url: string, key: string, body?: object): Promise<{ status: number, body: string }> => {

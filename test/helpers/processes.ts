@@ -10,6 +10,7 @@ import knexFactory from 'knex'
 import { afterAll, beforeAll } from 'vitest'
 import { bundle } from './bundle.js'
 import { REDIS, deleteRedisPrefix, mysqlConnection, pgConnection } from './services.js'
+import { postWithKey, type HttpAnswer } from './http-client.js'
 
 const fixture = fileURLToPath(new URL('../fixtures/server.ts', import.meta.url))
 /** The fixture as one module, bundled once per test process: the servers start as plain node. */
@@ -84,15 +85,10 @@ export function sharedServers (store: string, namespace: string, env: () => Prom
   return { servers, waiting }
 }
 
-export interface Answer { status: number, body: string, replayed: boolean }
+export type Answer = HttpAnswer
 
 export async function postOrder (server: ServerProcess, key: string, body: object, headers: Record<string, string> = {}): Promise<Answer> {
-  const res = await fetch(`${server.url}/orders`, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json', 'idempotency-key': key, ...headers },
-    body: JSON.stringify(body)
-  })
-  return { status: res.status, body: await res.text(), replayed: res.headers.get('idempotent-replayed') === 'true' }
+  return await postWithKey(`${server.url}/orders`, key, body, headers)
 }
 
 export async function effectCount (server: ServerProcess, key: string): Promise<number> {
