@@ -11,6 +11,7 @@ import type { IdempotencyOptions } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { buildApp, newKey, type Handler } from './helpers/app.js'
 import { storeCases } from './helpers/stores.js'
+import { Gate } from './helpers/gate.js'
 
 const cases = await storeCases()
 
@@ -29,6 +30,14 @@ for (const store of cases) {
         headers: { ...(key === undefined ? {} : { 'idempotency-key': key }), ...extra.headers },
         payload: payload as string
       })
+    /** The first request to `url` answers `status`, which is not stored: its retry runs the handler again. */
+    const expectRunAgain = async (target: Awaited<ReturnType<typeof app>>, url: string, status: number): Promise<void> => {
+      const key = newKey()
+      expect((await post(target, key, {}, { url })).statusCode).toBe(status)
+      const retry = await post(target, key, {}, { url })
+      expect(retry.statusCode).toBe(200)
+      expect(retry.json()).toEqual({ run: 2 })
+    }
 
     it('runs the first request and returns the application\'s response unchanged', async () => {
       const t = await app()
@@ -174,11 +183,7 @@ for (const store of cases) {
 
     it('does not store a thrown error: a retry runs the handler', async () => {
       const t = await app({}, { '/throws': (_req, _reply, run) => { if (run === 1) throw new Error('boom'); return { run } } })
-      const key = newKey()
-      expect((await post(t, key, {}, { url: '/throws' })).statusCode).toBe(500)
-      const retry = await post(t, key, {}, { url: '/throws' })
-      expect(retry.statusCode).toBe(200)
-      expect(retry.json()).toEqual({ run: 2 })
+      await expectRunAgain(t, '/throws', 500)
     })
 
     it('stores an added cacheable status, and not a removed one', async () => {
@@ -214,14 +219,11 @@ for (const store of cases) {
     })
 
     it('answers a duplicate of an in-flight request with 409 request-in-progress and Retry-After; a different body with the mismatch', async () => {
-      let open!: () => void
-      const gate = new Promise<void>((resolve) => { open = resolve })
-      let started!: () => void
-      const running = new Promise<void>((resolve) => { started = resolve })
-      const t = await app({ lockTimeout: '30s' }, { '/slow': async () => { started(); await gate; return { done: true } } })
+      const gate = new Gate()
+      const t = await app({ lockTimeout: '30s' }, { '/slow': async () => { await gate.hold(); return { done: true } } })
       const key = newKey()
       const first = post(t, key, { a: 1 }, { url: '/slow' })
-      await running
+      await gate.entered
       const duplicate = await post(t, key, { a: 1 }, { url: '/slow' })
       expect(duplicate.statusCode).toBe(409)
       expect(duplicate.json().type).toMatch(/#request-in-progress$/)
@@ -230,16 +232,15 @@ for (const store of cases) {
       expect(Number(duplicate.headers['retry-after'])).toBeLessThanOrEqual(30)
       const different = await post(t, key, { a: 2 }, { url: '/slow' })
       expect(different.json().type).toMatch(/#fingerprint-mismatch$/)
-      open()
+      gate.open()
       expect((await first).statusCode).toBe(200)
       expect((await post(t, key, { a: 1 }, { url: '/slow' })).headers['idempotent-replayed']).toBe('true')
       expect(t.runs.get('/slow')).toBe(1)
     })
 
     it('runs the handler once for 20 simultaneous requests with one key', async () => {
-      let open!: () => void
-      const gate = new Promise<void>((resolve) => { open = resolve })
-      const t = await app({}, { '/gated': async () => { await gate; return { done: true } } })
+      const gate = new Gate()
+      const t = await app({}, { '/gated': async () => { await gate.hold(); return { done: true } } })
       const key = newKey()
       const pending = Array.from({ length: 20 }, () => post(t, key, { a: 1 }, { url: '/gated' }))
       const settled: number[] = []
@@ -247,26 +248,23 @@ for (const store of cases) {
       // The 19 refused answer while the first still waits at the gate.
       while (settled.length < 19) await sleep(5)
       expect(settled.every((code) => code === 409)).toBe(true)
-      open()
+      gate.open()
       const all = await Promise.all(pending)
       expect(all.filter((res) => res.statusCode === 200)).toHaveLength(1)
       expect(t.runs.get('/gated')).toBe(1)
     })
 
     it('with wait, lets a duplicate wait for the first request and receive its response', async () => {
-      let open!: () => void
-      const gate = new Promise<void>((resolve) => { open = resolve })
-      let started!: () => void
-      const running = new Promise<void>((resolve) => { started = resolve })
-      const t = await app({ wait: true, waitTimeout: '20s' }, { '/slow': async (_req, reply) => { started(); await gate; reply.code(201); return { done: true } } })
+      const gate = new Gate()
+      const t = await app({ wait: true, waitTimeout: '20s' }, { '/slow': async (_req, reply) => { await gate.hold(); reply.code(201); return { done: true } } })
       const key = newKey()
       const first = post(t, key, { a: 1 }, { url: '/slow' })
-      await running
+      await gate.entered
       const duplicates = Array.from({ length: 5 }, () => post(t, key, { a: 1 }, { url: '/slow' }))
       const mismatch = await post(t, key, { a: 2 }, { url: '/slow' })
       expect(mismatch.statusCode).toBe(409)
       expect(mismatch.json().type).toMatch(/#fingerprint-mismatch$/)
-      open()
+      gate.open()
       const firstAnswer = await first
       for (const duplicate of await Promise.all(duplicates)) {
         expect(duplicate.statusCode).toBe(201)
@@ -277,22 +275,19 @@ for (const store of cases) {
     })
 
     it('with wait, lets exactly one waiter run the handler when the first request stored nothing', async () => {
-      let open!: () => void
-      const gate = new Promise<void>((resolve) => { open = resolve })
-      let started!: () => void
-      const running = new Promise<void>((resolve) => { started = resolve })
+      const gate = new Gate()
       const t = await app({ wait: true, waitTimeout: '20s' }, {
         '/fails-once': async (_req, reply, run) => {
-          if (run === 1) { started(); await gate; reply.code(500); return { failed: true } }
+          if (run === 1) { await gate.hold(); reply.code(500); return { failed: true } }
           reply.code(201)
           return { run }
         }
       })
       const key = newKey()
       const first = post(t, key, { a: 1 }, { url: '/fails-once' })
-      await running
+      await gate.entered
       const waiters = Array.from({ length: 6 }, () => post(t, key, { a: 1 }, { url: '/fails-once' }))
-      open()
+      gate.open()
       expect((await first).statusCode).toBe(500)
       const answers = await Promise.all(waiters)
       expect(t.runs.get('/fails-once')).toBe(2)
@@ -301,20 +296,17 @@ for (const store of cases) {
     })
 
     it('with wait, answers 409 in progress once waitTimeout has passed', async () => {
-      let open!: () => void
-      const gate = new Promise<void>((resolve) => { open = resolve })
-      let started!: () => void
-      const running = new Promise<void>((resolve) => { started = resolve })
-      const t = await app({}, { '/slow': async () => { started(); await gate; return { done: true } } }, { wait: true, waitTimeout: 300 })
+      const gate = new Gate()
+      const t = await app({}, { '/slow': async () => { await gate.hold(); return { done: true } } }, { wait: true, waitTimeout: 300 })
       const key = newKey()
       const first = post(t, key, { a: 1 }, { url: '/slow' })
-      await running
+      await gate.entered
       const before = Date.now()
       const late = await post(t, key, { a: 1 }, { url: '/slow' })
       expect(late.statusCode).toBe(409)
       expect(late.json().type).toMatch(/#request-in-progress$/)
       expect(Date.now() - before).toBeGreaterThanOrEqual(280)
-      open()
+      gate.open()
       await first
     })
 
@@ -340,11 +332,7 @@ for (const store of cases) {
       const t = await app({ addCacheableStatusCodes: [409] }, {
         '/conflict': (_req, _reply, run) => { if (run === 1) throw Object.assign(new Error('taken'), { statusCode: 409 }); return { run } }
       })
-      const key = newKey()
-      expect((await post(t, key, {}, { url: '/conflict' })).statusCode).toBe(409)
-      const retry = await post(t, key, {}, { url: '/conflict' })
-      expect(retry.statusCode).toBe(200)
-      expect(retry.json()).toEqual({ run: 2 })
+      await expectRunAgain(t, '/conflict', 409)
     })
 
     it('answers a body too deeply nested to fingerprint with 400 problem+json, not 500', async () => {

@@ -21,6 +21,7 @@ import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
 import { RedisStorage } from '../lib/redis.js'
 import { runCommand, type CommandIO } from '../lib/cli/run.js'
 import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service } from './helpers/services.js'
+import { postWithKey } from './helpers/http-client.js'
 
 /** Node 22.18 and later (and 23.6) load TypeScript modules themselves, without tsx. */
 const stripsTypes = Boolean((process.features as { typescript?: unknown }).typescript)
@@ -147,10 +148,7 @@ for (const target of targets) {
     const entered = new Promise<void>((resolve) => { enter = resolve })
     const env = { ...target.env, CLI_PORT: String(target.port), CLI_KEY: KEY, CLI_SECRET: SECRET }
     const run = async (...args: string[]) => await command([...args, '--config', configFile], env)
-    const post = async (key: string, headers: Record<string, string> = {}) => {
-      const res = await fetch(`${url}/orders`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json', ...headers }, body: '{"sku":"A1"}' })
-      return { status: res.status, body: await res.text(), replayed: res.headers.get('idempotent-replayed') === 'true' }
-    }
+    const post = (key: string, headers: Record<string, string> = {}) => postWithKey(`${url}/orders`, key, '{"sku":"A1"}', headers)
 
     beforeAll(async () => {
       app = Fastify()

@@ -2,6 +2,7 @@ import { afterEach, describe, expect, it } from 'vitest'
 import diagnostics from 'node:diagnostics_channel'
 import { CHANNEL_PREFIX, MemoryStorage, type IdempotencyEvent, type IdempotencyStorage } from '../lib/index.js'
 import { buildApp, newKey } from './helpers/app.js'
+import { Gate } from './helpers/gate.js'
 
 const events: IdempotencyEvent[] = []
 const outcomes = ['execute', 'replay', 'mismatch', 'in-progress', 'wait', 'lease-lost', 'store-error']
@@ -40,17 +41,14 @@ describe('diagnostics channels', () => {
   })
 
   it('publishes in-progress, wait and store-error', async () => {
-    let open!: () => void
-    const gate = new Promise<void>((resolve) => { open = resolve })
-    let started!: () => void
-    const running = new Promise<void>((resolve) => { started = resolve })
-    const { app } = await buildApp({}, { '/slow': async () => { started(); await gate; return {} } })
+    const gate = new Gate()
+    const { app } = await buildApp({}, { '/slow': async () => { await gate.hold(); return {} } })
     const key = newKey()
     const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
-    await running
+    await gate.entered
     await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     expect(events.map((e) => e.outcome)).toEqual(['in-progress'])
-    open()
+    gate.open()
     await first
 
     events.length = 0

@@ -29,12 +29,12 @@
  * while the samples run are deleted at the end.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import { spawn, type ChildProcess } from 'node:child_process'
 import { mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { dirname, join, relative, resolve, sep } from 'node:path'
 import { Redis } from 'ioredis'
 import knexFactory, { type Knex } from 'knex'
 import { bundle } from './helpers/bundle.js'
+import { killChildren, runChild } from './helpers/child-run.js'
 import { MARIADB, POSTGRES, REDIS, pgConnection, service, type Availability, type ServiceConfig } from './helpers/services.js'
 
 const root = resolve(import.meta.dirname, '..')
@@ -188,28 +188,6 @@ function generate (sample: Sample): string {
   return lines.join('\n') + '\n'
 }
 
-interface Finished { code: number | null, signal: NodeJS.Signals | null, stdout: string, stderr: string, timedOut: boolean }
-
-const children = new Set<ChildProcess>()
-
-function run (command: string, args: string[], cwd: string, env: NodeJS.ProcessEnv, limitMs: number): Promise<Finished> {
-  return new Promise((resolve) => {
-    const child = spawn(command, args, { cwd, env, stdio: ['ignore', 'pipe', 'pipe'] })
-    children.add(child)
-    let stdout = ''
-    let stderr = ''
-    let timedOut = false
-    child.stdout.on('data', (chunk: Buffer) => { stdout += chunk.toString() })
-    child.stderr.on('data', (chunk: Buffer) => { stderr += chunk.toString() })
-    const timer = setTimeout(() => { timedOut = true; child.kill('SIGKILL') }, limitMs)
-    child.once('close', (code, signal) => {
-      clearTimeout(timer)
-      children.delete(child)
-      resolve({ code, signal, stdout, stderr, timedOut })
-    })
-  })
-}
-
 /** A few runs at a time. */
 let running = 0
 const queue: Array<() => void> = []
@@ -283,7 +261,7 @@ beforeAll(async () => {
     compilerOptions: { noEmit: true, incremental: false, experimentalDecorators: true, emitDecoratorMetadata: true },
     include: ['**/*.ts']
   }, null, 2))
-  compiled = run(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(work, 'tsconfig.json'), '--pretty', 'false'], root, process.env, 120_000)
+  compiled = runChild(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(work, 'tsconfig.json'), '--pretty', 'false'], { cwd: root, env: process.env, limitMs: 120_000 })
     .then(({ stdout, stderr, timedOut }) => {
       if (timedOut) throw new Error('tsc did not finish within 120 s')
       const diagnostics: Diagnostic[] = []
@@ -308,7 +286,7 @@ beforeAll(async () => {
 }, 60_000)
 
 afterAll(async () => {
-  for (const child of children) child.kill('SIGKILL')
+  killChildren()
   if (pg !== undefined) {
     await pg.raw('DROP SCHEMA IF EXISTS ?? CASCADE', [schema])
     await pg.destroy()
@@ -339,9 +317,9 @@ describe('documentation samples', () => {
     const test = reason === '' ? it.concurrent : it.concurrent.skip
     test(`${sample.id} runs${reason}`, async () => {
       // Bundled with the sources it imports, it starts as plain node (test/helpers/bundle.ts).
-      const result = await limited(async () => run(process.execPath, [await bundle(sample.file, join(dirname(sample.file), '.bundled'))], dirname(sample.file), {
-        ...process.env, DATABASE_URL: databaseUrl, NO_COLOR: '1'
-      }, RUN_LIMIT_MS))
+      const result = await limited(async () => runChild(process.execPath, [await bundle(sample.file, join(dirname(sample.file), '.bundled'))], {
+        cwd: dirname(sample.file), env: { ...process.env, DATABASE_URL: databaseUrl, NO_COLOR: '1' }, limitMs: RUN_LIMIT_MS
+      }))
       const report = `exit ${result.code ?? result.signal}${result.timedOut ? ` (killed after ${RUN_LIMIT_MS} ms)` : ''}\n--- stdout\n${result.stdout}--- stderr\n${result.stderr}`
       expect(result.timedOut, report).toBe(false)
       expect(result.code, report).toBe(0)

@@ -5,8 +5,8 @@
  * under CI=true, as for every test that needs a service).
  */
 import { afterAll, describe, expect, it } from 'vitest'
-import { spawn, type ChildProcess } from 'node:child_process'
 import { resolve } from 'node:path'
+import { killChildren, runChild, type Finished } from './helpers/child-run.js'
 import { REDIS, service } from './helpers/services.js'
 
 const root = resolve(import.meta.dirname, '..')
@@ -15,30 +15,10 @@ const LIMIT_MS = 45_000
 
 const redis = await service(REDIS)
 
-const children = new Set<ChildProcess>()
-afterAll(() => { for (const child of children) child.kill('SIGKILL') })
-
-interface Finished { code: number | null, signal: NodeJS.Signals | null, output: string, timedOut: boolean }
+afterAll(killChildren)
 
 function selfTest (example: string, env: NodeJS.ProcessEnv = {}): Promise<Finished> {
-  return new Promise((resolve) => {
-    const child = spawn(process.execPath, ['--import', 'tsx', `examples/${example}`, '--self-test'], {
-      cwd: root,
-      env: { ...process.env, ...env },
-      stdio: ['ignore', 'pipe', 'pipe']
-    })
-    children.add(child)
-    let output = ''
-    let timedOut = false
-    child.stdout.on('data', (chunk: Buffer) => { output += chunk.toString() })
-    child.stderr.on('data', (chunk: Buffer) => { output += chunk.toString() })
-    const timer = setTimeout(() => { timedOut = true; child.kill('SIGKILL') }, LIMIT_MS)
-    child.once('close', (code, signal) => {
-      clearTimeout(timer)
-      children.delete(child)
-      resolve({ code, signal, output, timedOut })
-    })
-  })
+  return runChild(process.execPath, ['--import', 'tsx', `examples/${example}`, '--self-test'], { cwd: root, env: { ...process.env, ...env }, limitMs: LIMIT_MS })
 }
 
 /** The checks every variant prints, in this order. */

@@ -7,6 +7,8 @@ import { Writable } from 'node:stream'
 import Fastify from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
+import { Gate } from './helpers/gate.js'
 
 type Method = 'begin' | 'complete' | 'release' | 'renew'
 
@@ -88,11 +90,7 @@ describe('store failures', () => {
     await new Promise((resolve) => setTimeout(resolve, 900))
     expect((await t.post(key)).statusCode).toBe(409)
     down.delete('complete')
-    let retry = await t.post(key)
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await t.post(key)
-    }
+    const retry = await resendWhile([409], () => t.post(key))
     expect(retry.statusCode).toBe(201)
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.json()).toEqual({ run: 1 })
@@ -105,11 +103,7 @@ describe('store failures', () => {
     const key = newKey()
     down.add('complete')
     expect((await t.post(key)).statusCode).toBe(201)
-    let retry = await t.post(key)
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await t.post(key)
-    }
+    const retry = await resendWhile([409], () => t.post(key))
     expect(retry.statusCode).toBe(201)
     expect(t.runs()).toBe(2)
     expect(t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))).toBe(true)
@@ -145,9 +139,8 @@ describe('store failures', () => {
     await app.register(idempotency, { storage, lockTimeout: 150 })
     app.setErrorHandler(idempotencyErrorHandler())
     let runs = 0
-    let open!: () => void
-    const gate = new Promise<void>((resolve) => { open = resolve })
-    app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate; return { ok: true } })
+    const gate = new Gate()
+    app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate.hold(); return { ok: true } })
     const key = newKey()
     const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     while (renewals.length < 4) await new Promise((resolve) => setTimeout(resolve, 20))
@@ -155,7 +148,7 @@ describe('store failures', () => {
     // them the 150 ms lease would have lapsed.
     const retry = await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     expect(retry.statusCode).toBe(409)
-    open()
+    gate.open()
     expect((await first).statusCode).toBe(200)
     expect(runs).toBe(1)
     const count = renewals.length
@@ -212,11 +205,7 @@ describe('a store that never answers', () => {
     await new Promise((resolve) => setTimeout(resolve, 900))
     expect((await t.post(key)).statusCode).toBe(409)
     hang = false
-    let retry = await t.post(key)
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await t.post(key)
-    }
+    const retry = await resendWhile([409], () => t.post(key))
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(t.runs()).toBe(1)
   })

@@ -5,7 +5,7 @@
  * each other's answer; a body the plugin cannot fingerprint is a clear problem, the client's
  * (400) or the server's (500, naming the route and where in the body), never a bare 500.
  */
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { describe, expect, it } from 'vitest'
 import { Readable } from 'node:stream'
 import { text as consume } from 'node:stream/consumers'
 import Fastify, { type FastifyInstance, type FastifyRequest } from 'fastify'
@@ -13,6 +13,7 @@ import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import { MAX_DEPTH } from '../lib/fingerprint/canonical-value.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
+import { servedOn } from './helpers/served.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -45,7 +46,7 @@ const VALUES: Record<string, () => unknown> = {
   'class-instance': () => ({ items: [{ at: new Point(1) }] })
 }
 
-async function serve (storage: IdempotencyStorage): Promise<{ app: FastifyInstance, url: string, runs: () => number }> {
+async function build (storage: IdempotencyStorage): Promise<{ app: FastifyInstance, runs: () => number }> {
   const app = Fastify({ logger: false })
   await app.register(idempotency, { storage })
   app.setErrorHandler(idempotencyErrorHandler())
@@ -71,8 +72,7 @@ async function serve (storage: IdempotencyStorage): Promise<{ app: FastifyInstan
   app.post('/selected', { config: { idempotency: { fingerprint: { body: { include: ['/amount', '/currency'] } } } } }, handler)
   app.post('/values', { config: { idempotency: true } }, handler)
   app.post('/validated', { config: { idempotency: true }, schema: { body: { type: ['object', 'array'] } } }, handler)
-  await app.listen({ host: '127.0.0.1', port: 0 })
-  return { app, url: `http://127.0.0.1:${(app.server.address() as { port: number }).port}`, runs: () => runs }
+  return { app, runs: () => runs }
 }
 
 interface Answer { status: number, type: string, detail: string, replayed: string | null, contentType: string | null, bytes?: number }
@@ -82,12 +82,7 @@ const nested = (depth: number): string => '['.repeat(depth) + ']'.repeat(depth)
 
 for (const store of cases) {
   describe.skipIf(!store.available)(`bodies of every shape, on ${store.name}${store.reason}`, () => {
-    let served: Awaited<ReturnType<typeof serve>>
-    beforeAll(async () => { served = await serve(await store.create()) })
-    afterAll(async () => {
-      await served?.app.close()
-      await store.cleanup()
-    })
+    const served = servedOn(store, build)
 
     const post = async (path: string, key: string, body: string, type = 'application/json'): Promise<Answer> => {
       const res = await fetch(`${served.url}${path}`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': type }, body })

@@ -7,13 +7,13 @@
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
 import { connect } from 'node:http2'
 import { Readable } from 'node:stream'
-import { setTimeout as sleep } from 'node:timers/promises'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey, withMethods } from './helpers/app.js'
 import { http2Post } from './helpers/http2.js'
 import { storeCases } from './helpers/stores.js'
+import { resendWhile } from './helpers/resend.js'
 
 const cases = await storeCases()
 
@@ -167,14 +167,13 @@ for (const store of cases) {
             const { replayed: firstReplayed, ...first } = await guarded.answer(path, key)
             expect(first).toEqual(expected)
             expect(firstReplayed).toBeNull()
-            let answer = await guarded.answer(path, key)
             // A hijacked reply's outcome is stored once its raw response has closed, after its client
             // got the answer: a retry that comes first gets 409 #request-in-progress, then the outcome.
-            for (let attempt = 0; name.startsWith('reply.hijack()') && answer.status === 409 && attempt < 50; attempt++) {
-              expect(answer.body).toMatch(/#request-in-progress/)
-              await sleep(20)
-              answer = await guarded.answer(path, key)
-            }
+            const answer = await resendWhile(name.startsWith('reply.hijack()') ? [409] : [], () => guarded.answer(path, key), {
+              attempts: 50,
+              pause: 20,
+              onRefused: (refused) => { expect(refused.body).toMatch(/#request-in-progress/) }
+            })
             const { replayed, ...retry } = answer
             if (onRetry === 'outcome') {
               const { 'idempotent-body-omitted': omitted, ...headers } = retry.headers

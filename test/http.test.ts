@@ -10,6 +10,7 @@ import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage } from '../lib/index.js'
 import type { IdempotencyStorage, StoredResponse } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
+import { Gate } from './helpers/gate.js'
 
 let app: FastifyInstance
 afterEach(async () => { await app?.close() })
@@ -68,9 +69,8 @@ describe('over real HTTP', () => {
     await app.register(idempotency)
     app.setErrorHandler(idempotencyErrorHandler())
     let runs = 0
-    let open!: () => void
-    const gate = new Promise<void>((resolve) => { open = resolve })
-    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; await gate; reply.code(201); return { id: 'o1' } })
+    const gate = new Gate()
+    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; await gate.hold(); reply.code(201); return { id: 'o1' } })
     const address = await app.listen({ host: '127.0.0.1', port: 0 })
     const key = newKey()
     const refused: number[] = []
@@ -80,7 +80,7 @@ describe('over real HTTP', () => {
       return { status: res.status, body: await res.text() }
     })
     while (refused.length < 19) await new Promise((resolve) => setTimeout(resolve, 5))
-    open()
+    gate.open()
     const answers = await Promise.all(all)
     expect(answers.filter((a) => a.status === 201)).toHaveLength(1)
     expect(answers.filter((a) => a.status === 409)).toHaveLength(19)
@@ -96,11 +96,8 @@ describe('over real HTTP', () => {
     await app.register(idempotency, { storage })
     app.setErrorHandler(idempotencyErrorHandler())
     let runs = 0
-    let open!: () => void
-    const gate = new Promise<void>((resolve) => { open = resolve })
-    let started!: () => void
-    const running = new Promise<void>((resolve) => { started = resolve })
-    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; started(); await gate; reply.code(201); return { id: 'kept' } })
+    const gate = new Gate()
+    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => { runs++; await gate.hold(); reply.code(201); return { id: 'kept' } })
     await app.listen({ host: '127.0.0.1', port: 0 })
     const port = (app.server.address() as { port: number }).port
     const key = newKey()
@@ -108,13 +105,13 @@ describe('over real HTTP', () => {
     const aborted = httpRequest({ host: '127.0.0.1', port, method: 'POST', path: '/orders', headers: { 'content-type': 'application/json', 'idempotency-key': key, 'content-length': body.length } })
     aborted.on('error', () => {})
     aborted.end(body)
-    await running
+    await gate.entered
     const closed = new Promise((resolve) => aborted.once('close', resolve))
     aborted.destroy()
     await closed
     const duringHandler = await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, payload: body })
     expect(duringHandler.statusCode).toBe(409)
-    open()
+    gate.open()
     expect(await storage.settled).toBe('complete')
     const retry = await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, payload: body })
     expect(retry.statusCode).toBe(201)

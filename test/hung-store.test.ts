@@ -5,16 +5,17 @@
  * answering other requests meanwhile.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import { Redis, type RedisOptions } from 'ioredis'
+import type { RedisOptions } from 'ioredis'
 import knexFactory, { type Knex } from 'knex'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, type IdempotencyStorage } from '../lib/index.js'
-import { RedisStorage } from '../lib/redis.js'
 import { KnexStorage } from '../lib/knex.js'
 import { dropIdempotencyTable } from '../lib/knex.js'
-import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
+import { proxiedKnex, proxiedRedis } from './helpers/proxied-stores.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
 
 const STORE_TIMEOUT = 300
 /** storeTimeout, the deadline check's granularity (an eighth of it), and time to answer. */
@@ -29,42 +30,11 @@ interface Target {
 }
 
 function redisTarget (name: string, availability: Availability, options: RedisOptions): Target {
-  return {
-    name,
-    availability,
-    server: REDIS,
-    connect: (port) => {
-      const client = new Redis({ host: '127.0.0.1', port, ...options })
-      client.on('error', () => {})
-      const prefix = `hung:${stamp}:${name}:`
-      return {
-        storage: new RedisStorage({ client, prefix }),
-        dispose: async () => {
-          await deleteRedisPrefix(client, prefix).catch(() => {})
-          client.disconnect()
-        }
-      }
-    }
-  }
+  return { name, availability, server: REDIS, connect: (port) => proxiedRedis(port, `hung:${stamp}:${name}:`, options) }
 }
 
 function sqlTarget (name: string, availability: Availability, client: 'pg' | 'mysql2', base: Record<string, unknown>, config: typeof POSTGRES): Target {
-  return {
-    name,
-    availability,
-    server: config,
-    connect: (port) => {
-      const knex: Knex = knexFactory({ client, connection: { ...base, port } })
-      const table = `hung_${name}_${stamp}`
-      return {
-        storage: new KnexStorage({ knex, tableName: table, createTable: true }),
-        dispose: async () => {
-          await dropIdempotencyTable(knex, table).catch(() => {})
-          await knex.destroy()
-        }
-      }
-    }
-  }
+  return { name, availability, server: config, connect: (port) => proxiedKnex(port, client, base, `hung_${name}_${stamp}`) }
 }
 
 const [redis, postgres, mariadb] = await Promise.all([service(REDIS), service(POSTGRES), service(MARIADB)])
@@ -126,11 +96,7 @@ for (const target of targets) {
           proxy.restore()
         }
         // And it recovers without a restart once the server answers again.
-        let res = await post(newKey())
-        for (let attempt = 0; attempt < 40 && res.statusCode === 503; attempt++) {
-          await new Promise((resolve) => setTimeout(resolve, 100))
-          res = await post(newKey())
-        }
+        const res = await resendWhile([503], () => post(newKey()), { attempts: 40, pause: 100 })
         expect(res.statusCode).toBe(201)
       })
     }

@@ -11,6 +11,7 @@ import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type BeginResult, type IdempotencyStorage } from '../lib/index.js'
 import { storeCases } from './helpers/stores.js'
 import { newKey, withMethods } from './helpers/app.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const LEASE = 400
 const STORE_TIMEOUT = 300
@@ -89,10 +90,7 @@ for (const store of await storeCases()) {
       })
       apps.push(app)
       const url = `${await app.listen({ host: '127.0.0.1', port: 0 })}/charges`
-      return async (key) => {
-        const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, body: '{"amount":1}' })
-        return { status: res.status, headers: res.headers, body: await res.text() }
-      }
+      return async (key) => await postWithKey(url, key, '{"amount":1}')
     }
 
     it('runs no handler under a lease that lapsed before its answer came: that request gets 503, the duplicate that took the key runs alone', async () => {

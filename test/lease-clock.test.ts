@@ -12,6 +12,7 @@ import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service } from './helpers/services.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const LEASE = 600
 /** Longer than the lease: under the old client-side clock the lease was written already lapsed. */
@@ -58,8 +59,8 @@ for (const server of servers) {
     })
 
     const post = async (key: string): Promise<{ status: number, body: string }> => {
-      const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, body: '{"amount":100}' })
-      return { status: res.status, body: await res.text() }
+      const { status, body } = await postWithKey(url, key, '{"amount":100}')
+      return { status, body }
     }
 
     it('lets no duplicate run while the first handler runs', async () => {

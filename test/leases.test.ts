@@ -8,6 +8,7 @@ import { setTimeout as sleep } from 'node:timers/promises'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
 
 let app: FastifyInstance | undefined
 afterEach(async () => { await app?.close() })
@@ -71,12 +72,8 @@ describe('leases', () => {
     void post(port, key, { hang: true }).catch(() => {})
     while (runs() < 1) await sleep(10)
     expect((await post(port, key, { hang: true })).status).toBe(409)
-    let status = 409
     const started = Date.now()
-    while (status === 409 && Date.now() - started < 3000) {
-      await sleep(50)
-      status = (await post(port, key, { hang: false })).status
-    }
+    const { status } = await resendWhile([409], () => post(port, key, { hang: false }), { attempts: 60 })
     // Renewed until maxLockHold (400 ms), then the 100 ms lease lapsed: free after about 500 ms.
     expect(status).not.toBe(409)
     expect(Date.now() - started).toBeGreaterThan(250)

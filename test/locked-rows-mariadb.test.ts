@@ -16,6 +16,7 @@ import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
 import { MARIADB, mysqlConnection, service } from './helpers/services.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const LEASE = 1000
 /**
@@ -71,9 +72,7 @@ describe.skipIf(!mariadb.available)(`MariaDB with a pool of one, locked rows and
   })
 
   async function post (key: string): Promise<number> {
-    const res = await fetch(url, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, body: '{"amount":100}' })
-    await res.text()
-    return res.status
+    return (await postWithKey(url, key, '{"amount":100}')).status
   }
 
   const pool = (): Pool => (knex.client as { pool: Pool }).pool

@@ -5,15 +5,14 @@
  * the key until it lapses. Over real HTTP, with a lease far longer than the test.
  */
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from 'vitest'
-import { Redis, type RedisOptions } from 'ioredis'
-import knexFactory, { type Knex } from 'knex'
+import type { RedisOptions } from 'ioredis'
+import knexFactory from 'knex'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, type IdempotencyStorage } from '../lib/index.js'
-import { RedisStorage } from '../lib/redis.js'
-import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
 import { outcomeUnknown } from '../lib/storage/knex/rows.js'
-import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
+import { proxiedKnex, proxiedRedis } from './helpers/proxied-stores.js'
 import { newKey } from './helpers/app.js'
 
 const stamp = `${process.pid}_${Date.now()}`
@@ -43,25 +42,14 @@ function redisTarget (name: string, availability: Availability, options: RedisOp
     expected,
     lose,
     connect: (port) => {
-      const client = new Redis({ host: '127.0.0.1', port, ...options })
-      client.on('error', () => {})
-      const direct = new Redis({ host: REDIS.host, port: REDIS.port })
-      const prefix = `lost:${stamp}:${name}:`
-      const storage = new RedisStorage({ client, prefix })
-      return {
-        storage,
-        holds: async (key) => await direct.exists(storage.redisKey(key)) === 1,
-        dispose: async () => {
-          await deleteRedisPrefix(direct, prefix)
-          client.disconnect()
-          await direct.quit()
-        }
-      }
+      const { storage, direct, dispose } = proxiedRedis(port, `lost:${stamp}:${name}:`, options)
+      return { storage, holds: async (key) => await direct.exists(storage.redisKey(key)) === 1, dispose }
     }
   }
 }
 
 function sqlTarget (name: string, availability: Availability, client: 'pg' | 'mysql2', base: Record<string, unknown>, config: typeof POSTGRES): Target {
+  const table = `lost_${name}_${stamp}`
   return {
     name,
     availability,
@@ -69,18 +57,8 @@ function sqlTarget (name: string, availability: Availability, client: 'pg' | 'my
     expected: 503,
     connect: (port) => {
       // knex warns of the connection the reset broke: expected here.
-      const knex: Knex = knexFactory({ client, connection: { ...base, port }, log: { warn: () => {} } })
-      const direct: Knex = knexFactory({ client, connection: base, pool: { min: 0, max: 1 } })
-      const table = `lost_${name}_${stamp}`
-      return {
-        storage: new KnexStorage({ knex, tableName: table, createTable: true }),
-        holds: async (key) => await direct(table).where('idempotency_key', Buffer.from(key)).first('state') !== undefined,
-        dispose: async () => {
-          await dropIdempotencyTable(direct, table).catch(() => {})
-          await knex.destroy()
-          await direct.destroy()
-        }
-      }
+      const { storage, direct, dispose } = proxiedKnex(port, client, base, table, { log: { warn: () => {} } })
+      return { storage, holds: async (key) => await direct(table).where('idempotency_key', Buffer.from(key)).first('state') !== undefined, dispose }
     }
   }
 }

@@ -4,13 +4,13 @@
  * counted in the store's own server. Also: a process killed mid-request (SIGKILL) does not leave
  * the key stuck, and wait mode works across processes.
  */
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { afterAll, describe, expect, it } from 'vitest'
 import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { MARIADB, POSTGRES, REDIS, service, type Availability } from './helpers/services.js'
-import { dropNamespace, effectCount, postOrder, startServers, type Answer, type ServerProcess } from './helpers/processes.js'
+import { effectCount, postOrder, sharedServers, type Answer, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 
@@ -45,19 +45,7 @@ function spread (servers: ServerProcess[], count: number, key: string, headers: 
 for (const { store, availability, env, setup } of stores) {
   describe.skipIf(!availability.available)(`several processes on ${store}${availability.reason}`, () => {
     const namespace = `mp_${store}_${process.pid}_${Date.now()}`
-    let servers: ServerProcess[] = []
-    let waiting: ServerProcess[] = []
-
-    beforeAll(async () => {
-      const base = { STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), ...env, ...await setup?.() }
-      servers = await startServers(3, base)
-      waiting = await startServers(2, { ...base, WAIT: '1' })
-    }, 120_000)
-
-    afterAll(async () => {
-      await Promise.all([...servers, ...waiting].map((server) => server.kill()))
-      await dropNamespace(store, namespace)
-    })
+    const { servers, waiting } = sharedServers(store, namespace, async () => ({ STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), ...env, ...await setup?.() }))
 
     it('runs the handler once for 50 simultaneous requests with one key over 3 processes', async () => {
       const key = newKey('mp')

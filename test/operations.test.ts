@@ -8,7 +8,7 @@
 import { randomBytes } from 'node:crypto'
 import diagnostics from 'node:diagnostics_channel'
 import { Writable } from 'node:stream'
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { describe, expect, it } from 'vitest'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, {
   IdempotencyKeyInvalidError,
@@ -20,7 +20,9 @@ import idempotency, {
 } from '../lib/index.js'
 import { ResponseCipher } from '../lib/encryption.js'
 import { storageKey } from '../lib/engine/storage-key.js'
+import { servedOn } from './helpers/served.js'
 import { storeCases } from './helpers/stores.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const ENCRYPTION = { keys: [randomBytes(32)], keyHashSecret: randomBytes(32) }
 const EXPIRATION = 3_600_000
@@ -57,7 +59,6 @@ for (const encrypted of [false, true]) {
   for (const store of cases) {
     describe.skipIf(!store.available)(`operations on ${store.name}${encrypted ? ' with encryption' : ''}${store.reason}`, () => {
       let app: FastifyInstance
-      let url = ''
       let storage: IdempotencyStorage
       const gates = new Gates()
       const runs = new Map<string, number>()
@@ -70,8 +71,8 @@ for (const encrypted of [false, true]) {
       /** What a request's key and scope become in the store: with encryption, the only way to find them in a listing. */
       const storageKeyFor = (key: string, scope: string | null = null) => storageKey(key, scope, cipher === null ? undefined : (composed) => cipher.hashKey(composed))
 
-      beforeAll(async () => {
-        storage = await store.create()
+      const served = servedOn(store, async (created) => {
+        storage = created
         const stream = new Writable({ write (chunk: Buffer, _encoding, done) { log.push(chunk.toString()); done() } })
         app = Fastify({ logger: { level: 'info', stream } })
         await app.register(idempotency, { storage, expiration: EXPIRATION, fingerprint: { method: true, path: true }, ...(encrypted ? { encryption: ENCRYPTION } : {}) })
@@ -98,17 +99,10 @@ for (const encrypted of [false, true]) {
           if (ordersDown) throw new Error('the orders database is down')
           return { charge: charge.id }
         })
-        url = await app.listen({ host: '127.0.0.1', port: 0 })
-      })
-      afterAll(async () => {
-        await app.close()
-        await store.cleanup()
+        return { app }
       })
 
-      const post = async (path: string, key: string, headers: Record<string, string> = {}) => {
-        const res = await fetch(`${url}${path}`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json', ...headers }, body: '{"sku":"A1"}' })
-        return { status: res.status, replayed: res.headers.get('idempotent-replayed') === 'true', body: await res.text() }
-      }
+      const post = (path: string, key: string, headers: Record<string, string> = {}) => postWithKey(`${served.url}${path}`, key, '{"sku":"A1"}', headers)
 
       it('tells a key absent, in flight and stored apart, and shows the body only when asked', async () => {
         const key = fresh('order')

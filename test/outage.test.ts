@@ -5,16 +5,13 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { Writable } from 'node:stream'
-import { Redis } from 'ioredis'
-import knexFactory, { type Knex } from 'knex'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, type IdempotencyOptions, type IdempotencyStorage } from '../lib/index.js'
-import { RedisStorage } from '../lib/redis.js'
-import { KnexStorage } from '../lib/knex.js'
-import { dropIdempotencyTable } from '../lib/knex.js'
-import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { MARIADB, POSTGRES, REDIS, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { startProxy, type Proxy } from './helpers/proxy.js'
+import { proxiedKnex, proxiedRedis } from './helpers/proxied-stores.js'
 import { newKey } from './helpers/app.js'
+import { resendWhile } from './helpers/resend.js'
 
 interface Target {
   name: string
@@ -27,17 +24,7 @@ interface Target {
 const stamp = `${process.pid}_${Date.now()}`
 
 function sql (name: string, client: 'pg' | 'mysql2', base: Record<string, unknown>): Target['connect'] {
-  return async (port) => {
-    const knex: Knex = knexFactory({ client, connection: { ...base, port }, pool: { min: 0, max: 4 }, acquireConnectionTimeout: 2000 })
-    const table = `outage_${name}_${stamp}`
-    return {
-      storage: new KnexStorage({ knex, tableName: table, createTable: true }),
-      dispose: async () => {
-        await dropIdempotencyTable(knex, table).catch(() => {})
-        await knex.destroy()
-      }
-    }
-  }
+  return async (port) => proxiedKnex(port, client, base, `outage_${name}_${stamp}`, { pool: { min: 0, max: 4 }, acquireConnectionTimeout: 2000 })
 }
 
 const targets: Target[] = [
@@ -45,19 +32,8 @@ const targets: Target[] = [
     name: 'redis',
     availability: await service(REDIS),
     server: REDIS,
-    connect: async (port) => {
-      // The client options docs/stores/redis.md recommends to fail fast.
-      const client = new Redis({ host: '127.0.0.1', port, enableAutoPipelining: true, maxRetriesPerRequest: 1, commandTimeout: 2000 })
-      client.on('error', () => {})
-      const prefix = `outage:${stamp}:`
-      return {
-        storage: new RedisStorage({ client, prefix }),
-        dispose: async () => {
-          await deleteRedisPrefix(client, prefix)
-          client.disconnect()
-        }
-      }
-    }
+    // The client options docs/stores/redis.md recommends to fail fast.
+    connect: async (port) => proxiedRedis(port, `outage:${stamp}:`, { enableAutoPipelining: true, maxRetriesPerRequest: 1, commandTimeout: 2000 })
   },
   { name: 'postgres', availability: await service(POSTGRES), server: POSTGRES, connect: sql('postgres', 'pg', pgConnection) },
   { name: 'mariadb', availability: await service(MARIADB), server: MARIADB, connect: sql('mariadb', 'mysql2', mysqlConnection) }
@@ -126,9 +102,8 @@ for (const target of targets) {
       expect(Date.now() - started).toBeLessThan(10_000)
       expect(t.runs()).toBe(1)
       proxy.restore()
-      let recovered = await t.post(key)
       // A pool may hand out one connection that died with the cut before it notices.
-      for (let attempt = 0; attempt < 5 && recovered.statusCode === 503; attempt++) recovered = await t.post(key)
+      const recovered = await resendWhile([503], () => t.post(key), { attempts: 5, pause: 0 })
       expect(recovered.statusCode).toBe(201)
       expect((await t.post(key)).headers['idempotent-replayed']).toBe('true')
       expect(t.runs()).toBe(2)
@@ -160,11 +135,7 @@ for (const target of targets) {
       // While the store is away the lease is held (renewal and storing are retried): a retry now
       // must never run the handler a second time.
       proxy.restore()
-      let retry = await t.post(key)
-      for (let attempt = 0; attempt < 100 && (retry.statusCode === 503 || retry.statusCode === 409); attempt++) {
-        await new Promise((resolve) => setTimeout(resolve, 50))
-        retry = await t.post(key)
-      }
+      const retry = await resendWhile([503, 409], () => t.post(key))
       expect(retry.statusCode).toBe(201)
       expect(retry.headers['idempotent-replayed']).toBe('true')
       expect(retry.json()).toEqual({ run: 1 })

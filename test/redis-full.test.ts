@@ -11,6 +11,7 @@ import { RedisStorage } from '../lib/redis.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 import { newKey } from './helpers/app.js'
 import { deleteRedisPrefix } from './helpers/services.js'
+import { resendWhile } from './helpers/resend.js'
 
 const availability = redisClusterAvailability()
 
@@ -67,11 +68,7 @@ describe.skipIf(!availability.available)(`Redis at its memory limit${availabilit
     expect(runs).toBe(1)
     // Memory is freed: the stored response arrives, and the retry replays it.
     await deleteRedisPrefix(client, 'fill:')
-    let retry = await app.inject({ method: 'POST', url: '/charges', headers: { 'idempotency-key': key }, payload: { amount: 10 } })
-    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
-      await new Promise((resolve) => setTimeout(resolve, 50))
-      retry = await app.inject({ method: 'POST', url: '/charges', headers: { 'idempotency-key': key }, payload: { amount: 10 } })
-    }
+    const retry = await resendWhile([409], () => app.inject({ method: 'POST', url: '/charges', headers: { 'idempotency-key': key }, payload: { amount: 10 } }))
     expect(retry.statusCode).toBe(201)
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.body).toBe(first.body)

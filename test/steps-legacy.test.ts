@@ -6,13 +6,15 @@
  * right now is answered 409 in progress. Records are kept where `forget` finds them from then on.
  */
 import { hash, randomBytes } from 'node:crypto'
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { describe, expect, it } from 'vitest'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyStorage } from '../lib/index.js'
 import { ResponseCipher } from '../lib/encryption.js'
 import { stepRecordPrefix } from '../lib/engine/steps.js'
 import { storageKey } from '../lib/engine/storage-key.js'
+import { servedOn } from './helpers/served.js'
 import { storeCases, type StoreCase } from './helpers/stores.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const ENCRYPTION = { keys: [randomBytes(32)], keyHashSecret: randomBytes(32) }
 
@@ -40,7 +42,6 @@ for (const encrypted of [false, true]) {
   for (const store of [...await storeCases(), memoryWithoutInspect]) {
     describe.skipIf(!store.available)(`recovery points of an earlier version on ${store.name}${encrypted ? ' with encryption' : ''}${store.reason}`, () => {
       let app: FastifyInstance
-      let url = ''
       let storage: IdempotencyStorage
       let inner: IdempotencyStorage
       const calls = { charge: 0, notify: 0 }
@@ -52,8 +53,8 @@ for (const encrypted of [false, true]) {
       const currentKey = (name: string) => stepRecordPrefix(requestKey) + recordHash(name)
       const earlierKey = (name: string) => `\u0000step:${recordHash(name)}`
 
-      beforeAll(async () => {
-        inner = await store.create()
+      const served = servedOn(store, async (created) => {
+        inner = created
         storage = store === memoryWithoutInspect ? withoutOperations(inner as MemoryStorage) : inner
         app = Fastify()
         await app.register(idempotency, { storage, ...(encrypted ? { encryption: ENCRYPTION } : {}) })
@@ -64,16 +65,12 @@ for (const encrypted of [false, true]) {
           if (ordersDown) throw new Error('the orders database is down')
           return { charge: charge.id }
         })
-        url = await app.listen({ host: '127.0.0.1', port: 0 })
-      })
-      afterAll(async () => {
-        await app.close()
-        await store.cleanup()
+        return { app }
       })
 
       const checkout = async () => {
-        const res = await fetch(`${url}/checkout`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, body: '{"amount":4200}' })
-        return { status: res.status, body: await res.text() }
+        const { status, body } = await postWithKey(`${served.url}/checkout`, key, '{"amount":4200}')
+        return { status, body }
       }
 
       it('replays a record kept where an earlier version kept it, and answers 409 for a step it is running', async () => {

@@ -11,8 +11,9 @@ import { join } from 'node:path'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { MARIADB, POSTGRES, REDIS, service, type Availability } from './helpers/services.js'
-import { dropNamespace, effectCount, startServers, type ServerProcess } from './helpers/processes.js'
+import { effectCount, sharedServers, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-steps-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
@@ -44,28 +45,15 @@ const stores: Array<{ store: string, availability: Availability, env: Record<str
 
 const LOCK_TIMEOUT = 1500
 
-async function post (server: ServerProcess, key: string, headers: Record<string, string> = {}): Promise<{ status: number, body: string }> {
-  const res = await fetch(`${server.url}/steps`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key, ...headers }, body: '{"amount":4200}' })
-  return { status: res.status, body: await res.text() }
+function post (server: ServerProcess, key: string, headers: Record<string, string> = {}): Promise<{ status: number, body: string }> {
+  return postWithKey(`${server.url}/steps`, key, '{"amount":4200}', headers)
 }
 
 for (const { store, availability, env } of stores) {
   describe.skipIf(!availability.available)(`recovery points across processes on ${store}${availability.reason}`, () => {
     const namespace = `steps_${store}_${process.pid}_${Date.now()}`
-    let servers: ServerProcess[] = []
-    let waiting: ServerProcess[] = []
-
-    beforeAll(async () => {
-      const base = { STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), PROVIDER_URL: providerUrl, ...env }
-      // The first is killed by the SIGKILL test; the other two serve the rest.
-      servers = await startServers(3, base)
-      waiting = await startServers(2, { ...base, WAIT: '1' })
-    }, 120_000)
-
-    afterAll(async () => {
-      await Promise.all([...servers, ...waiting].map((server) => server.kill()))
-      await dropNamespace(store, namespace)
-    })
+    // The first of `servers` is killed by the SIGKILL test; the other two serve the rest.
+    const { servers, waiting } = sharedServers(store, namespace, async () => ({ STORE: store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), PROVIDER_URL: providerUrl, ...env }))
 
     it('after a SIGKILL between the two steps, the retry from another process runs the second step only', async () => {
       const key = newKey('kill')

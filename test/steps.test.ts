@@ -10,6 +10,7 @@ import Fastify, { type FastifyInstance, type FastifyRequest } from 'fastify'
 import type { Knex } from 'knex'
 import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyEvent, type IdempotencyOptions, type IdempotencyStorage, type TransactionalStorage } from '../lib/index.js'
 import { storeCases } from './helpers/stores.js'
+import { postWithKey } from './helpers/http-client.js'
 
 const cases = await storeCases()
 
@@ -21,8 +22,8 @@ for (const store of cases) {
     const apps: FastifyInstance[] = []
     const calls: Calls = {}
     /** What the next request's handler does after its first step. */
-    let failAfterFirst = false
-    let failInside = false
+    /** Where the next run fails: after the first steps, or inside the last one. */
+    let failing: 'after-first' | 'inside' | null = null
     const count = (step: string) => { calls[step] = (calls[step] ?? 0) + 1 }
 
     async function start (options: IdempotencyOptions = {}): Promise<string> {
@@ -34,10 +35,10 @@ for (const store of cases) {
         const charge = await step('charge', ({ key }) => { count('charge'); return { id: 'ch_1', downstream: key } })
         const receipt = await step('receipt', () => { count('receipt'); return Buffer.from([0, 1, 2, 255]) })
         const nothing = await step('notify', () => { count('notify') })
-        if (failAfterFirst) throw new Error('the order could not be written')
+        if (failing === 'after-first') throw new Error('the order could not be written')
         const order = await step('order', () => {
           count('order')
-          if (failInside) throw new Error('order step failed')
+          if (failing === 'inside') throw new Error('order step failed')
           return ['ord_1', 7, null, { nested: true }]
         })
         reply.code(201)
@@ -47,9 +48,16 @@ for (const store of cases) {
       return `${await app.listen({ host: '127.0.0.1', port: 0 })}/checkout`
     }
 
-    const post = async (url: string, key: string, body: object = { amount: 1 }): Promise<{ status: number, body: string }> => {
-      const res = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(body) })
-      return { status: res.status, body: await res.text() }
+    const post = (url: string, key: string, body: object = { amount: 1 }): Promise<{ status: number, body: string }> => postWithKey(url, key, body)
+
+    /** One run of `key` that fails where `failure` says; the runs after it do not fail. */
+    const runFailing = async (failure: 'after-first' | 'inside', url: string, key: string, body?: object): Promise<{ status: number, body: string }> => {
+      failing = failure
+      try {
+        return await post(url, key, body)
+      } finally {
+        failing = null
+      }
     }
 
     beforeAll(async () => { storage = await store.create() })
@@ -62,9 +70,7 @@ for (const store of cases) {
       const url = await start()
       const key = `steps-${store.name}`
       for (const name of Object.keys(calls)) delete calls[name]
-      failAfterFirst = true
-      expect((await post(url, key)).status).toBe(500)
-      failAfterFirst = false
+      expect((await runFailing('after-first', url, key)).status).toBe(500)
       const retry = await post(url, key)
       expect(retry.status).toBe(201)
       const body = JSON.parse(retry.body)
@@ -78,9 +84,7 @@ for (const store of cases) {
 
     it('gives a step the same downstream key on every run, and another key another one', async () => {
       const url = await start()
-      failAfterFirst = true
-      await post(url, `dk-a-${store.name}`)
-      failAfterFirst = false
+      await runFailing('after-first', url, `dk-a-${store.name}`)
       const a = JSON.parse((await post(url, `dk-a-${store.name}`)).body)
       const b = JSON.parse((await post(url, `dk-b-${store.name}`)).body)
       expect(a.charge.downstream).not.toBe(b.charge.downstream)
@@ -90,9 +94,7 @@ for (const store of cases) {
       const url = await start()
       const key = `throws-${store.name}`
       for (const name of Object.keys(calls)) delete calls[name]
-      failInside = true
-      expect((await post(url, key)).status).toBe(500)
-      failInside = false
+      expect((await runFailing('inside', url, key)).status).toBe(500)
       expect((await post(url, key)).status).toBe(201)
       expect(calls).toEqual({ charge: 1, receipt: 1, notify: 1, order: 2 })
     })
@@ -100,9 +102,7 @@ for (const store of cases) {
     it('refuses a step reached with another fingerprint (409 mismatch), without running it', async () => {
       const url = await start()
       const key = `mismatch-${store.name}`
-      failAfterFirst = true
-      await post(url, key, { amount: 1 })
-      failAfterFirst = false
+      await runFailing('after-first', url, key, { amount: 1 })
       const before = calls.charge ?? 0
       const other = await post(url, key, { amount: 2 })
       expect(other.status).toBe(409)
@@ -114,9 +114,7 @@ for (const store of cases) {
       const url = await start({ encryption: { keys: [randomBytes(32)], keyHashSecret: randomBytes(32) } })
       const key = `sealed-${store.name}`
       const before = calls.charge ?? 0
-      failAfterFirst = true
-      await post(url, key)
-      failAfterFirst = false
+      await runFailing('after-first', url, key)
       const charge = JSON.parse((await post(url, key)).body).charge
       expect(charge.id).toBe('ch_1')
       expect(calls.charge).toBe(before + 1)

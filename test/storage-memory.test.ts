@@ -5,17 +5,43 @@ import { storageConformance } from '../lib/storage/conformance.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
 import idempotency from '../lib/index.js'
 
-storageConformance('memory', () => new MemoryStorage(), { describe, it, beforeEach, afterAll }, { operations: ['inspect', 'forget', 'listInFlight'] })
+storageConformance('memory', () => new MemoryStorage(), { describe, it, beforeEach, afterAll }, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+
+describe('the conformance suite, for a store that offers fewer optional methods', () => {
+  /** The titles the suite registers, run or skipped, without running any. */
+  const registered = (options: Parameters<typeof storageConformance>[3]) => {
+    const run: string[] = []
+    const skipped: string[] = []
+    const it = Object.assign((name: string) => { run.push(name) }, { skip: (name: string) => { skipped.push(name) } })
+    storageConformance('recorded', () => new MemoryStorage(), { describe: (_name, fn) => fn(), it, beforeEach: () => {}, afterAll: () => {} }, options)
+    return { run, skipped }
+  }
+
+  it('reports the tests of waitFor and of the operations methods it does not say it offers as skipped, with the reason', () => {
+    const { run, skipped } = registered({})
+    expect(skipped.filter((name) => name.startsWith('waitFor: '))).toHaveLength(2)
+    expect(skipped.every((name) => /\[skipped: the store does not offer (waitFor|inspect|forget|listInFlight)/.test(name))).toBe(true)
+    expect(run.some((name) => /waitFor|inspect|forget|listInFlight/.test(name))).toBe(false)
+    const all = registered({ operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+    expect(all.skipped).toEqual([])
+    expect(all.run).toHaveLength(run.length + skipped.length)
+  })
+})
 
 const response = (bytes: number) => ({ statusCode: 201, contentType: 'application/json', headers: {}, body: Buffer.alloc(bytes, 1) })
+
+/** A response of `bytes` stored under `key`, as a request that ran stores it. */
+async function storeResponse (storage: MemoryStorage, key: string, bytes: number, expiration = 60_000): Promise<void> {
+  const begun = await storage.begin(key, 'fp', 60_000)
+  if (begun.state !== 'acquired') throw new Error('expected a lease')
+  await storage.complete(key, begun.token, response(bytes), expiration)
+}
 
 describe('MemoryStorage bounds', () => {
   it('keeps at most maxEntries stored responses under 100 000 unique keys, evicting the least recently used', async () => {
     const storage = new MemoryStorage({ maxEntries: 1000 })
     for (let i = 0; i < 100_000; i++) {
-      const begun = await storage.begin(`k${i}`, 'fp', 60_000)
-      if (begun.state !== 'acquired') throw new Error('expected a lease')
-      await storage.complete(`k${i}`, begun.token, response(10), 60_000)
+      await storeResponse(storage, `k${i}`, 10)
       if (i === 50_000) expect((await storage.begin('k49500', 'fp', 1)).state).toBe('completed')
     }
     expect(storage.size).toBeLessThanOrEqual(1000)
@@ -26,11 +52,7 @@ describe('MemoryStorage bounds', () => {
 
   it('keeps at most maxBytes of stored responses', async () => {
     const storage = new MemoryStorage({ maxBytes: 100_000 })
-    for (let i = 0; i < 1000; i++) {
-      const begun = await storage.begin(`k${i}`, 'fp', 60_000)
-      if (begun.state !== 'acquired') throw new Error('expected a lease')
-      await storage.complete(`k${i}`, begun.token, response(1000), 60_000)
-    }
+    for (let i = 0; i < 1000; i++) await storeResponse(storage, `k${i}`, 1000)
     expect(storage.calculatedSize).toBeLessThanOrEqual(100_000)
     expect(storage.size).toBeGreaterThan(50)
   })
@@ -49,9 +71,7 @@ describe('MemoryStorage bounds', () => {
   it('drops expired entries by the injected clock', async () => {
     let now = 1_000_000
     const storage = new MemoryStorage({ now: () => now })
-    const begun = await storage.begin('k', 'fp', 60_000)
-    if (begun.state !== 'acquired') throw new Error('expected a lease')
-    await storage.complete('k', begun.token, response(1), 1000)
+    await storeResponse(storage, 'k', 1, 1000)
     now += 999
     expect((await storage.begin('k', 'fp', 60_000)).state).toBe('completed')
     now += 1
@@ -61,11 +81,7 @@ describe('MemoryStorage bounds', () => {
   it('drops expired entries as new ones are written, without waiting for a read or for LRU pressure', async () => {
     let now = 1_000_000
     const storage = new MemoryStorage({ now: () => now })
-    const store = async (key: string, expiration: number) => {
-      const begun = await storage.begin(key, 'fp', 60_000)
-      if (begun.state !== 'acquired') throw new Error('expected a lease')
-      await storage.complete(key, begun.token, response(1), expiration)
-    }
+    const store = (key: string, expiration: number) => storeResponse(storage, key, 1, expiration)
     for (let i = 0; i < 10; i++) await store(`old${i}`, 1000)
     now += 2000
     for (let i = 0; i < 10; i++) await store(`new${i}`, 60_000)

@@ -45,8 +45,8 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
   }, 30_000)
 
   const harness = { describe, it, beforeEach, afterAll }
-  storageConformance('redis cluster', () => new RedisStorage({ client, prefix: PREFIX }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
-  storageConformance('redis cluster with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
+  storageConformance('redis cluster', () => new RedisStorage({ client, prefix: PREFIX }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+  storageConformance('redis cluster with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
 
   /** A plain connection to one of the nodes, for commands that are about the node itself. */
   async function withNode<T> (fn: (node: Redis) => Promise<T>): Promise<T> {

@@ -7,7 +7,7 @@ import { Redis } from 'ioredis'
 import type { RedisOptions } from 'ioredis'
 import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
-import type { StoredResponse } from '../lib/storage/types.js'
+import type { BeginResult, StoredResponse } from '../lib/storage/types.js'
 import { REDIS, service } from './helpers/services.js'
 
 const redis = await service(REDIS)
@@ -25,6 +25,12 @@ const response: StoredResponse = {
 }
 
 let unique = 0
+/** Expects `result` to be the lease, and gives its token. */
+function tokenOf (result: BeginResult): string {
+  expect(result.state).toBe('acquired')
+  return result.state === 'acquired' ? result.token : ''
+}
+
 function freshKey (label: string): string {
   return `${label}:${++unique}`
 }
@@ -110,8 +116,8 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
   })
 
   const harness = { describe, it, beforeEach, afterAll }
-  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
-  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'] })
+  storageConformance('redis', () => new RedisStorage({ client, prefix: PREFIX + 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+  storageConformance('redis with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
 
   describe('round trips', () => {
     /** Names of the commands ioredis hands to the connection while `fn` runs. */
@@ -356,9 +362,7 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       const a = new RedisStorage({ client, prefix: PREFIX + 'fences:' })
       const b = new RedisStorage({ client, prefix: PREFIX + 'fences:' })
       const key = freshKey('fences')
-      const first = await a.begin(key, 'fp', LEASE)
-      expect(first.state).toBe('acquired')
-      const token = first.state === 'acquired' ? first.token : ''
+      const token = tokenOf(await a.begin(key, 'fp', LEASE))
       expect(await a.release(key, token)).toBe(true)
       const second = await b.begin(key, 'fp', LEASE)
       const other = second.state === 'acquired' ? second.token : ''
@@ -441,14 +445,12 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       const a = new RedisStorage({ client, prefix: PREFIX + 'tenant-a:' })
       const b = new RedisStorage({ client, prefix: PREFIX + 'tenant-b:' })
       const key = freshKey('same-text')
-      const leaseA = await a.begin(key, 'fp-a', LEASE)
-      expect(leaseA.state).toBe('acquired')
-      const leaseB = await b.begin(key, 'fp-b', LEASE)
-      expect(leaseB.state).toBe('acquired')
-      expect(await a.complete(key, leaseA.state === 'acquired' ? leaseA.token : '', response, EXPIRY)).toBe(true)
+      const tokenA = tokenOf(await a.begin(key, 'fp-a', LEASE))
+      tokenOf(await b.begin(key, 'fp-b', LEASE))
+      expect(await a.complete(key, tokenA, response, EXPIRY)).toBe(true)
       const stillHeld = await b.begin(key, 'fp-x', LEASE)
       expect(stillHeld.state === 'in-flight' && stillHeld.fingerprint).toBe('fp-b')
-      expect(await b.complete(key, leaseA.state === 'acquired' ? leaseA.token : '', response, EXPIRY)).toBe(false)
+      expect(await b.complete(key, tokenA, response, EXPIRY)).toBe(false)
       expect(a.redisKey(key)).not.toBe(b.redisKey(key))
     })
 

@@ -5,7 +5,7 @@
  * never refuses the request, and a default made anew for each request never turns a retry into a
  * mismatch.
  */
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { describe, expect, it } from 'vitest'
 import { randomUUID } from 'node:crypto'
 import Fastify, { type FastifyInstance } from 'fastify'
 import { serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod'
@@ -14,6 +14,7 @@ import { Type, type TypeBoxTypeProvider } from '@fastify/type-provider-typebox'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
+import { servedOn } from './helpers/served.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -25,7 +26,7 @@ class Money {
   get cents (): string { return this.#cents.toString() }
 }
 
-async function serve (storage: IdempotencyStorage): Promise<{ app: FastifyInstance, url: string, runs: Map<string, number> }> {
+async function build (storage: IdempotencyStorage): Promise<{ app: FastifyInstance, runs: Map<string, number> }> {
   const app = Fastify()
   await app.register(idempotency, { storage })
   app.setErrorHandler(idempotencyErrorHandler())
@@ -60,20 +61,14 @@ async function serve (storage: IdempotencyStorage): Promise<{ app: FastifyInstan
     config: { idempotency: true },
     schema: { body: Type.Object({ name: Type.String(), price: Type.Integer() }, { additionalProperties: false }) }
   }, async (request) => ({ run: run('/products'), price: request.body.price }))
-  await app.listen({ host: '127.0.0.1', port: 0 })
-  return { app, url: `http://127.0.0.1:${(app.server.address() as { port: number }).port}`, runs }
+  return { app, runs }
 }
 
 interface Answer { status: number, body: Record<string, unknown>, replayed: string | null }
 
 for (const store of cases) {
   describe.skipIf(!store.available)(`type providers, on ${store.name}${store.reason}`, () => {
-    let served: Awaited<ReturnType<typeof serve>>
-    beforeAll(async () => { served = await serve(await store.create()) })
-    afterAll(async () => {
-      await served?.app.close()
-      await store.cleanup()
-    })
+    const served = servedOn(store, build)
 
     const post = async (path: string, key: string, body: unknown): Promise<Answer> => {
       const res = await fetch(`${served.url}${path}`, { method: 'POST', headers: { 'idempotency-key': key, 'content-type': 'application/json' }, body: JSON.stringify(body) })

@@ -8,8 +8,9 @@
  *   storageConformance('my store', () => new MyStorage(), { describe, it, beforeEach, afterAll })
  *
  * It takes the test runner's functions instead of importing one, so it runs under vitest, jest,
- * mocha or node:test alike, and asserts with node:assert. The optional operations methods
- * (`inspect`, `forget`, `listInFlight`) are tested when the options list them in `operations`.
+ * mocha or node:test alike, and asserts with node:assert. The optional methods are tested when the
+ * options say the store offers them (`waitFor`, and the operations methods `inspect`, `forget`,
+ * `listInFlight` in `operations`); the tests of the others are reported as skipped, with the reason.
  */
 import assert from 'node:assert/strict'
 import { setTimeout as sleep } from 'node:timers/promises'
@@ -22,7 +23,7 @@ type TestFn = () => Promise<void> | void
 type Register = (name: string, fn: TestFn, timeout?: number) => void
 export interface ConformanceHarness {
   describe: (name: string, fn: () => void) => void
-  /** With `it.skip` (vitest, jest, mocha and node:test have it), tests of operations a store does not offer are reported as skipped. */
+  /** With `it.skip` (vitest, jest, mocha and node:test have it), tests of optional methods a store does not offer are reported as skipped. */
   it: Register & { skip?: Register }
   beforeEach: (fn: TestFn) => void
   afterAll: (fn: TestFn) => void
@@ -39,6 +40,11 @@ export interface ConformanceOptions {
    * `'forget'`, `'listInFlight'`. Those not listed are reported as skipped. Default: none.
    */
   operations?: readonly ConformanceOperation[]
+  /**
+   * Whether the store offers `waitFor`, to be tested (then a store without it fails). Without
+   * `true` its tests are reported as skipped, with the reason. Default: false.
+   */
+  waitFor?: boolean
 }
 
 /** Keys that must be stored literally: quoting, separators, globs, SQL, Lua and Redis hash tags. */
@@ -294,9 +300,18 @@ export function storageConformance (
       assert.equal((await store().begin(b, 'fp-b', LEASE)).state, 'in-flight')
     })
 
-    it('wakes a waiter when the lease ends by complete or release (if the provider can wait)', async () => {
-      const waitFor = store().waitFor?.bind(store())
-      if (waitFor === undefined) return
+    // The store is made before the first test, after the tests are registered: whether it offers
+    // `waitFor` is said by the options, so that its tests are reported skipped rather than passed.
+    const waitForTest = (name: string, fn: TestFn): void => {
+      if (options.waitFor === true) it(`waitFor: ${name}`, fn)
+      else it.skip?.(`waitFor: ${name} [skipped: the store does not offer waitFor, or its conformance options do not say waitFor: true]`, fn)
+    }
+    const waitFor = (key: string, timeout: number): Promise<void> => {
+      assert.equal(typeof store().waitFor, 'function', 'the conformance options say waitFor: true, but the store has no waitFor')
+      return store().waitFor!(key, timeout)
+    }
+
+    waitForTest('wakes a waiter when the lease ends by complete or release', async () => {
       for (const end of ['complete', 'release'] as const) {
         const key = freshKey(`wait-${end}`)
         const token = expectAcquired(await store().begin(key, 'fp', LEASE))
@@ -311,9 +326,7 @@ export function storageConformance (
       }
     })
 
-    it('returns from waitFor at once for a key nobody holds, and after the timeout otherwise', async () => {
-      const waitFor = store().waitFor?.bind(store())
-      if (waitFor === undefined) return
+    waitForTest('returns at once for a key nobody holds, and after the timeout otherwise', async () => {
       const free = Date.now()
       await waitFor(freshKey('wait-free'), 20_000)
       assert.ok(Date.now() - free < 5_000)

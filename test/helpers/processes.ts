@@ -7,8 +7,10 @@ import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { Redis } from 'ioredis'
 import knexFactory from 'knex'
+import { afterAll, beforeAll } from 'vitest'
 import { bundle } from './bundle.js'
 import { REDIS, deleteRedisPrefix, mysqlConnection, pgConnection } from './services.js'
+import { postWithKey, type HttpAnswer } from './http-client.js'
 
 const fixture = fileURLToPath(new URL('../fixtures/server.ts', import.meta.url))
 /** The fixture as one module, bundled once per test process: the servers start as plain node. */
@@ -63,15 +65,30 @@ export async function startServers (count: number, env: Record<string, string>):
   return Promise.all(Array.from({ length: count }, () => startServer(env)))
 }
 
-export interface Answer { status: number, body: string, replayed: boolean }
+/**
+ * The server processes a describe's tests share, on one store under `namespace`: three, and two in
+ * wait mode, with `env()` (read when they start, before the first test). Killed after the last
+ * test, and what they stored is dropped. The arrays are filled once they have started.
+ */
+export function sharedServers (store: string, namespace: string, env: () => Promise<Record<string, string>>): { servers: ServerProcess[], waiting: ServerProcess[] } {
+  const servers: ServerProcess[] = []
+  const waiting: ServerProcess[] = []
+  beforeAll(async () => {
+    const base = await env()
+    servers.push(...await startServers(3, base))
+    waiting.push(...await startServers(2, { ...base, WAIT: '1' }))
+  }, 120_000)
+  afterAll(async () => {
+    await Promise.all([...servers, ...waiting].map((server) => server.kill()))
+    await dropNamespace(store, namespace)
+  })
+  return { servers, waiting }
+}
+
+export type Answer = HttpAnswer
 
 export async function postOrder (server: ServerProcess, key: string, body: object, headers: Record<string, string> = {}): Promise<Answer> {
-  const res = await fetch(`${server.url}/orders`, {
-    method: 'POST',
-    headers: { 'content-type': 'application/json', 'idempotency-key': key, ...headers },
-    body: JSON.stringify(body)
-  })
-  return { status: res.status, body: await res.text(), replayed: res.headers.get('idempotent-replayed') === 'true' }
+  return await postWithKey(`${server.url}/orders`, key, body, headers)
 }
 
 export async function effectCount (server: ServerProcess, key: string): Promise<number> {
