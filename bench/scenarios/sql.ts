@@ -95,7 +95,8 @@ async function knexScenario (database: Database, transaction: boolean): Promise<
 /** See the file's comment: one SELECT per replay; INSERT, handler, UPDATE per first request. */
 async function sqlFloor (database: Database, transaction: boolean): Promise<BenchServer> {
   const { knex, cleanup } = connect(database)
-  const table = tableName('floor')
+  // The PostgreSQL floor and its transaction-mode floor start at once on one database: a table each.
+  const table = tableName(transaction ? 'floor_trx' : 'floor')
   const orders = tableName('floor_orders')
   await knex.schema.dropTableIfExists(table)
   await knex.schema.createTable(table, (t) => {
