@@ -11,9 +11,11 @@ import type { MemoryReport } from './memory.js'
 export const REPO_ROOT = fileURLToPath(new URL('..', import.meta.url))
 const SERVER = fileURLToPath(new URL('./server.ts', import.meta.url))
 const MEMORY = fileURLToPath(new URL('./memory.ts', import.meta.url))
+// Which better-sqlite3 knex loads on this Node (12 on Node 20, 13 on 22 and later): see the file.
+const SQLITE_DRIVER = fileURLToPath(new URL('../scripts/sqlite-driver.cjs', import.meta.url))
 
 function nodeChild (script: string, args: string[], nodeArgs: string[], env: NodeJS.ProcessEnv): ChildProcess {
-  return spawn(process.execPath, [...nodeArgs, '--import', 'tsx', script, ...args], {
+  return spawn(process.execPath, [...nodeArgs, '--require', SQLITE_DRIVER, '--import', 'tsx', script, ...args], {
     cwd: REPO_ROOT,
     env: { ...process.env, ...env },
     stdio: ['ignore', 'inherit', 'inherit', 'ipc']
