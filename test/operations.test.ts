@@ -69,7 +69,7 @@ for (const encrypted of [false, true]) {
       const fresh = (label: string) => `${label}-${process.pid}-${++unique}`
       const cipher = encrypted ? new ResponseCipher(ENCRYPTION) : null
       /** What a request's key and scope become in the store: with encryption, the only way to find them in a listing. */
-      const storageKeyFor = (key: string, scope: string | null = null) => storageKey(key, scope, cipher === null ? undefined : (composed) => cipher.hashKey(composed))
+      const storageKeyFor = (key: string, scope: string | null = null) => storageKey(key, scope, cipher)
 
       const served = servedOn(store, async (created) => {
         storage = created

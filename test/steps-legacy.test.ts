@@ -48,7 +48,7 @@ for (const encrypted of [false, true]) {
       let ordersDown = true
       const cipher = encrypted ? new ResponseCipher(ENCRYPTION) : null
       const key = `cart-${process.pid}-${Date.now()}`
-      const requestKey = storageKey(key, null, cipher === null ? undefined : (composed) => cipher.hashKey(composed))
+      const requestKey = storageKey(key, null, cipher)
       const recordHash = (name: string) => hash('sha256', `${requestKey}\n${name}`, 'base64url')
       const currentKey = (name: string) => stepRecordPrefix(requestKey) + recordHash(name)
       const earlierKey = (name: string) => `\u0000step:${recordHash(name)}`

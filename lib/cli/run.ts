@@ -10,6 +10,7 @@
  * no client could send, or a configuration that cannot be loaded ends before the store is used.
  */
 import { userInfo } from 'node:os'
+import { withinTime } from '../engine/time-limit.js'
 import { isIdempotencyError } from '../errors.js'
 import { IdempotencyOperationNotSupportedError, KeyOperations } from '../operations/index.js'
 import { normalizeOptions, toMilliseconds } from '../options.js'
@@ -45,17 +46,13 @@ export async function runCommand (argv: readonly string[], io: CommandIO): Promi
     io.stderr(`fastify-idempotency: ${(error as Error).message.replace('fastify-idempotency: invalid command line: ', '')}\n\n${USAGE}\n`)
     return EXIT.usage
   }
-  let timer: NodeJS.Timeout | undefined
-  const expired = new Promise<never>((_resolve, reject) => {
-    timer = setTimeout(() => reject(new CommandTimeoutError(`gave up after ${command.timeout} (--timeout): the store did not answer`)), timeout)
-  })
   let close: (() => Promise<void>) | undefined
   try {
-    return await Promise.race([execute(command, io, (closing) => { close = closing }), expired])
+    return await withinTime(execute(command, io, (closing) => { close = closing }), timeout,
+      () => new CommandTimeoutError(`gave up after ${command.timeout} (--timeout): the store did not answer`))
   } catch (error) {
     return failure(error, command.name, io)
   } finally {
-    clearTimeout(timer)
     // The store's own connections (a subscriber, a listener); the clients it was given are the
     // module's, which the process exit ends.
     await Promise.race([close?.().catch(() => {}), new Promise((resolve) => setTimeout(resolve, 1000).unref())])

@@ -6,6 +6,7 @@
  */
 import type { StoredResponse } from '../storage/types.js'
 import type { RequestState } from './request-state.js'
+import { withinTime } from './time-limit.js'
 
 /** The route's own functions of a response to store, bound to one request by the adapter. */
 export interface ResponseCallbacks {
@@ -33,15 +34,7 @@ export class RouteCallbackTimeoutError extends Error {
 export async function callOnCopy<T> (name: string, fn: (response: StoredResponse) => T | Promise<T>, response: StoredResponse, timeout: number): Promise<T> {
   const result = fn({ ...response, headers: { ...response.headers }, body: Buffer.from(response.body) })
   if (!isThenable(result)) return result as T
-  let timer: NodeJS.Timeout | undefined
-  const late = new Promise<never>((_resolve, reject) => {
-    timer = setTimeout(() => { reject(new RouteCallbackTimeoutError(name, timeout)) }, timeout)
-  })
-  try {
-    return await Promise.race([Promise.resolve(result), late])
-  } finally {
-    clearTimeout(timer)
-  }
+  return await withinTime(result as PromiseLike<T>, timeout, () => new RouteCallbackTimeoutError(name, timeout))
 }
 
 /**

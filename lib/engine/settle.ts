@@ -99,7 +99,6 @@ async function decide ({ settings, cipher }: RouteEngine, state: RequestState, e
  * again.
  */
 async function redacted (state: RequestState, redact: NonNullable<ResponseCallbacks['redact']>, response: StoredResponse, timeout: number): Promise<StoredResponse> {
-  const statusOnly: StoredResponse = { statusCode: response.statusCode, contentType: null, headers: {}, body: Buffer.alloc(0), bodyOmitted: true }
   try {
     const result = await callOnCopy('redact', redact, response, timeout)
     const omitted = result?.bodyOmitted === true
@@ -112,7 +111,7 @@ async function redacted (state: RequestState, redact: NonNullable<ResponseCallba
     return kept
   } catch (error) {
     state.log.error({ err: error, idempotencyKey: state.key }, 'idempotency redact failed: only the status of this response is stored')
-    return statusOnly
+    return { statusCode: response.statusCode, contentType: null, headers: {}, body: Buffer.alloc(0), bodyOmitted: true }
   }
 }
 

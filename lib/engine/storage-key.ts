@@ -27,8 +27,13 @@ export const HASHED_KEY_PREFIX = '\u0000sha256:'
 /** In `u` mode a well-formed pair reads as one code point, so this finds lone surrogates only. */
 const LONE_SURROGATE = /\p{Surrogate}/u
 
-export function storageKey (key: string, scope: string | null, keyedHash?: (composed: string) => string): string {
-  if (keyedHash !== undefined) return keyedHash(scope === null ? key : `${scope}\n${key}`)
+/** What makes keyed hashes of storage keys (encryption's ResponseCipher). */
+export interface KeyHasher {
+  hashKey: (composed: string) => string
+}
+
+export function storageKey (key: string, scope: string | null, hasher: KeyHasher | null = null): string {
+  if (hasher !== null) return hasher.hashKey(scope === null ? key : `${scope}\n${key}`)
   // An unscoped key is ASCII: its length is its size in bytes.
   if (scope === null && key.length <= MAX_STORAGE_KEY_BYTES) return key
   const composed = scope === null ? key : `${scope}\n${key}`

@@ -54,8 +54,7 @@ export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTION
  */
 export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods: boolean, inFlight: InFlight): RouteHooks {
   const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher, inFlight)
-  const keyedHash = plugin.cipher === null ? undefined : (composed: string) => plugin.cipher!.hashKey(composed)
-  const route: GuardedRoute = { engine, plugin, settings, url, keyedHash, credentialsWarned: settings.scope !== null }
+  const route: GuardedRoute = { engine, plugin, settings, url, credentialsWarned: settings.scope !== null }
   return {
     onRequest: onRequestHook(route, safeMethods),
     preValidation: preValidationHook(route),
@@ -123,7 +122,7 @@ function preHandlerHook (route: GuardedRoute): preHandlerAsyncHookHandler {
     // Without a scope there is nothing to await: no promise on the path of every request.
     const scope = settings.scope === null ? null : await resolveScope(settings.scope, request, http.key, url)
     warnOfSharedKeys(route, request)
-    const acquisition = await acquire(engine, http.state, storageKey(http.key, scope, route.keyedHash), fingerprinted.record, fingerprinted)
+    const acquisition = await acquire(engine, http.state, storageKey(http.key, scope, engine.cipher), fingerprinted.record, fingerprinted)
     switch (acquisition.outcome) {
       case 'run':
         run(reply, http)

@@ -42,8 +42,6 @@ export interface GuardedRoute {
   readonly settings: RouteSettings
   /** The route's URL pattern. */
   readonly url: string
-  /** With encryption: the keyed hash the store's keys are made with. */
-  readonly keyedHash: ((composed: string) => string) | undefined
   /** Warned once: a signed-in client's request on a route whose keys are shared by everyone. */
   credentialsWarned: boolean
 }

@@ -113,7 +113,12 @@ function partUnder (settings: FingerprintSettings, { settings: current, part, va
 }
 
 function sameSelection (a: FingerprintSettings, b: FingerprintSettings): boolean {
-  return JSON.stringify([a.include, a.exclude]) === JSON.stringify([b.include, b.exclude])
+  return selectionOf(a) === selectionOf(b)
+}
+
+/** The members a body part is made of, as text: two option sets with the same selection share their body part. */
+function selectionOf (settings: FingerprintSettings): string {
+  return JSON.stringify([settings.include, settings.exclude])
 }
 
 /**
@@ -128,7 +133,7 @@ function compareLegacy (digest: string, { request, settings: current, rawHash }:
   const partOf = (settings: FingerprintSettings): BodyPart => {
     // A route whose body counts by its bytes has a raw hash, and version 1 used it for every set with a body.
     if (rawHash !== undefined) return rawBodyPart(rawHash)
-    const selection = JSON.stringify([settings.include, settings.exclude])
+    const selection = selectionOf(settings)
     let part = parts.get(selection)
     if (part === undefined) parts.set(selection, part = bodyPart(request.body, contentType, settings, true))
     return part

@@ -235,8 +235,7 @@ export class KeyOperations implements IdempotencyOperations {
   }
 
   #storageKey (ref: KeyRef): string {
-    const { cipher } = this.#settings
-    return storageKey(ref.key, ref.scope, cipher === null ? undefined : (composed) => cipher.hashKey(composed))
+    return storageKey(ref.key, ref.scope, this.#settings.cipher)
   }
 
   /** The store, when it has `method`; otherwise the operation is refused before anything is done. */
