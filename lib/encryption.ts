@@ -82,6 +82,8 @@ export class ResponseCipher {
   readonly #sealingKey: KeyObject
   readonly #hashSecret: KeyObject
   readonly #ivs = new IvPool()
+  /** Keyed hashes of recent storage keys (see hashKey). */
+  readonly #hashedKeys = new Map<string, string>()
 
   constructor (options: EncryptionOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('fastify-idempotency: invalid options: encryption must be an object { keys, keyHashSecret }')
@@ -100,9 +102,20 @@ export class ResponseCipher {
 
   /** The storage key for a key and scope, composed as engine/storage-key.ts composes them. */
   hashKey (composed: string): string {
+    // A retry, and every replay after it, hashes the same key again. Each HMAC sets up a native
+    // context of its own, which costs several times its hashing inside a busy server (about 4 µs
+    // per request, docs/benchmarks.md), so the last keys' hashes are kept. They are held in this
+    // process only, where the keys pass through anyway; the store still sees hashes alone.
+    const cached = this.#hashedKeys.get(composed)
+    if (cached !== undefined) return cached
     // UTF-16 code units, so that scopes with lone surrogates hash apart (encoded by the native
     // side, without a Buffer in between).
-    return KEYED_HASH_PREFIX + createHmac('sha256', this.#hashSecret).update(composed, 'utf16le').digest('base64url')
+    const hashed = KEYED_HASH_PREFIX + createHmac('sha256', this.#hashSecret).update(composed, 'utf16le').digest('base64url')
+    // A bounded set, emptied whole when full: cheaper per new key than keeping recency, and a
+    // key hashed again after that costs one HMAC, as without the cache.
+    if (this.#hashedKeys.size >= HASHED_KEYS_KEPT) this.#hashedKeys.clear()
+    this.#hashedKeys.set(composed, hashed)
+    return hashed
   }
 
   seal (storageKey: string, response: StoredResponse): StoredResponse {
@@ -159,6 +172,9 @@ export class ResponseCipher {
 }
 
 const EMPTY = Buffer.alloc(0)
+
+/** Most keyed hashes kept by hashKey: at most about 1 MiB of keys with their hashes. */
+const HASHED_KEYS_KEPT = 4096
 
 /**
  * What is encrypted, in one buffer: meta length (4) | meta JSON | body. One cipher call costs a

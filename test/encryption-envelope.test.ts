@@ -48,6 +48,20 @@ describe('sealed envelope, version 1', () => {
     for (const [composed, hash] of Object.entries(fixture.hashes)) expect(both.hashKey(composed)).toBe(hash)
   })
 
+  it('hashes a key the same the second time, and after thousands of other keys have been hashed', () => {
+    const cipher = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+    const entries = Object.entries(fixture.hashes)
+    for (const [composed, hash] of entries) expect(cipher.hashKey(composed)).toBe(hash)
+    // Enough keys to pass the bound on recent hashes kept, twice: answers never come from a stale slot.
+    const others = Array.from({ length: 10_000 }, (_, index) => `scope-${index}\nkey-${index}`)
+    const first = others.map((composed) => cipher.hashKey(composed))
+    expect(new Set(first).size).toBe(others.length)
+    for (const [composed, hash] of entries) expect(cipher.hashKey(composed)).toBe(hash)
+    expect(others.map((composed) => cipher.hashKey(composed))).toEqual(first)
+    const fresh = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+    expect(others.slice(0, 50).map((composed) => fresh.hashKey(composed))).toEqual(first.slice(0, 50))
+  })
+
   it('seals in the same layout: version, key id, IV, tag, then the ciphertext of meta length, meta and body, nothing more', () => {
     const sealer = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
     const [first] = fixture.entries
