@@ -84,6 +84,8 @@ export class ResponseCipher {
   readonly #ivs = new IvPool()
   /** Keyed hashes of recent storage keys (see hashKey). */
   readonly #hashedKeys = new Map<string, string>()
+  /** The entries opened last, by storage key (see open). */
+  readonly #opened = new Map<string, OpenedEntry>()
 
   constructor (options: EncryptionOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('fastify-idempotency: invalid options: encryption must be an object { keys, keyHashSecret }')
@@ -138,9 +140,31 @@ export class ResponseCipher {
     return { statusCode: response.statusCode, contentType: SEALED_CONTENT_TYPE, headers: {}, body: envelope }
   }
 
-  /** The response a sealed entry holds; throws UnreadableEntryError when it cannot be opened. */
+  /**
+   * The response a sealed entry holds; throws UnreadableEntryError when it cannot be opened.
+   *
+   * Replays of one key open the same envelope again and again, and setting up a decipher costs
+   * about 10 µs inside a busy server, several times its decrypting. So the last entries opened
+   * are kept with their envelope: the same bytes under the same storage key and status open to
+   * the same response (that is what authenticated encryption guarantees), and any other envelope
+   * is opened and checked as usual. The responses kept are plaintext in this process's memory,
+   * where every replay puts them anyway; the store still holds only sealed entries.
+   */
   open (storageKey: string, entry: StoredResponse): StoredResponse {
     if (entry.contentType !== SEALED_CONTENT_TYPE) throw new UnreadableEntryError('the entry is not sealed')
+    const body = entry.body
+    const recent = this.#opened.get(storageKey)
+    if (recent !== undefined && recent.statusCode === entry.statusCode && recent.envelope.equals(body)) return recent.response
+    const response = this.#decrypt(storageKey, entry)
+    if (body.length <= OPENED_ENVELOPE_MAX_BYTES) {
+      if (this.#opened.size >= OPENED_ENTRIES_KEPT) this.#opened.clear()
+      // A copy: a reply parser's Buffer may be a slice of a much larger read.
+      this.#opened.set(storageKey, { statusCode: entry.statusCode, envelope: Buffer.from(body), response })
+    }
+    return response
+  }
+
+  #decrypt (storageKey: string, entry: StoredResponse): StoredResponse {
     const body = entry.body
     if (body.length < HEADER_BYTES || body[0] !== VERSION) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
     const key = this.#openingKey(body)
@@ -175,6 +199,16 @@ const EMPTY = Buffer.alloc(0)
 
 /** Most keyed hashes kept by hashKey: at most about 1 MiB of keys with their hashes. */
 const HASHED_KEYS_KEPT = 4096
+/** Most entries kept opened, and the largest envelope kept: at most 4 MiB of envelopes and as much plaintext. */
+const OPENED_ENTRIES_KEPT = 128
+const OPENED_ENVELOPE_MAX_BYTES = 16 * 1024
+
+/** An entry opened lately: the envelope as stored, and what it opened to. */
+interface OpenedEntry {
+  statusCode: number
+  envelope: Buffer
+  response: StoredResponse
+}
 
 /**
  * What is encrypted, in one buffer: meta length (4) | meta JSON | body. One cipher call costs a

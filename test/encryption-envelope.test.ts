@@ -8,6 +8,7 @@
 import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
 import { ResponseCipher, SEALED_CONTENT_TYPE } from '../lib/encryption.js'
+import { UnreadableEntryError } from '../lib/storage/unreadable-entry.js'
 import type { StoredResponse } from '../lib/index.js'
 
 interface FixtureResponse { statusCode: number, contentType: string | null, headers: Record<string, string | string[]>, body: string, bodyOmitted?: boolean }
@@ -36,6 +37,40 @@ describe('sealed envelope, version 1', () => {
       expect(() => both.open(`${entry.storageKey}x`, stored(entry.sealed))).toThrow(/altered, or moved/)
       expect(() => both.open(entry.storageKey, { ...stored(entry.sealed), statusCode: entry.sealed.statusCode + 1 })).toThrow(/altered, or moved/)
     }
+  })
+
+  it('opens an envelope again to the same response, and still refuses one altered after it was opened', () => {
+    const cipher = new ResponseCipher({ keys: [fixture.keys.key2, fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+    for (const entry of fixture.entries) {
+      const sealed = stored(entry.sealed)
+      const first = cipher.open(entry.storageKey, sealed)
+      // The same bytes in another Buffer, as a store hands them back on every read.
+      expect(cipher.open(entry.storageKey, { ...sealed, body: Buffer.from(sealed.body) })).toEqual(first)
+      for (const at of [0, 9, 21, sealed.body.length - 1]) {
+        const altered = Buffer.from(sealed.body)
+        altered[at] = altered[at]! ^ 1
+        expect(() => cipher.open(entry.storageKey, { ...sealed, body: altered })).toThrow(UnreadableEntryError)
+      }
+      expect(() => cipher.open(entry.storageKey, { ...sealed, body: sealed.body.subarray(0, -1) })).toThrow(UnreadableEntryError)
+      expect(() => cipher.open(`${entry.storageKey}x`, sealed)).toThrow(/altered, or moved/)
+      expect(() => cipher.open(entry.storageKey, { ...sealed, statusCode: sealed.statusCode + 1 })).toThrow(/altered, or moved/)
+      expect(cipher.open(entry.storageKey, sealed)).toEqual(stored(entry.response))
+    }
+  })
+
+  it('opens every entry correctly while hundreds of others are opened in between', () => {
+    const cipher = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+    const responses = Array.from({ length: 600 }, (_, index): StoredResponse => ({ statusCode: 200 + (index % 3), contentType: 'text/plain', headers: { 'x-index': String(index) }, body: Buffer.from(`body ${index}`) }))
+    const sealed = responses.map((response, index) => cipher.seal(`key-${index % 300}-${index}`, response))
+    for (let round = 0; round < 3; round++) {
+      for (const [index, entry] of sealed.entries()) expect(cipher.open(`key-${index % 300}-${index}`, entry)).toEqual(responses[index])
+    }
+    // Under one storage key, a newer entry replaces the older one it is compared with.
+    const a = cipher.seal('shared', responses[0]!)
+    const b = cipher.seal('shared', responses[3]!)
+    expect(cipher.open('shared', a)).toEqual(responses[0])
+    expect(cipher.open('shared', b)).toEqual(responses[3])
+    expect(cipher.open('shared', a)).toEqual(responses[0])
   })
 
   it('refuses them without the key that sealed them', () => {
