@@ -5,6 +5,7 @@
  * what is sealed now keeps the version 1 layout, so a process still running the earlier code
  * opens it during a rolling deploy.
  */
+import { createHmac } from 'node:crypto'
 import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
 import { ResponseCipher, SEALED_CONTENT_TYPE } from '../lib/encryption.js'
@@ -81,6 +82,20 @@ describe('sealed envelope, version 1', () => {
 
   it('hashes keys and scopes exactly as before', () => {
     for (const [composed, hash] of Object.entries(fixture.hashes)) expect(both.hashKey(composed)).toBe(hash)
+  })
+
+  it('hashes as HMAC-SHA256 does, for secrets shorter and longer than its block and keys of any length', () => {
+    const texts = ['', 'k', 'scope\nkey', 'a\uD800b', '\uDFFFx\uD800', 'é€😀', 'x'.repeat(2016), 'y'.repeat(2017), 'z\uD800'.repeat(5000)]
+    for (const length of [32, 63, 64, 65, 100, 200]) {
+      const secret = Buffer.from(Array.from({ length }, (_, index) => (index * 37 + length) & 0xff))
+      const cipher = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: secret })
+      for (const text of texts) {
+        const expected = `\u0000hmac:${createHmac('sha256', secret).update(text, 'utf16le').digest('base64url')}`
+        expect(cipher.hashKey(text)).toBe(expected)
+        // Twice: the second comes from what was kept.
+        expect(cipher.hashKey(text)).toBe(expected)
+      }
+    }
   })
 
   it('hashes a key the same the second time, and after thousands of other keys have been hashed', () => {
