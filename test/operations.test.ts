@@ -8,6 +8,7 @@
 import { randomBytes } from 'node:crypto'
 import diagnostics from 'node:diagnostics_channel'
 import { Writable } from 'node:stream'
+import { setTimeout as sleep } from 'node:timers/promises'
 import { describe, expect, it } from 'vitest'
 import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, {
@@ -185,6 +186,8 @@ for (const encrypted of [false, true]) {
         const key = fresh('held')
         const pendingOlder = post('/tenants/orders', older, { 'x-hold': '1', 'x-tenant': 'acme' })
         await gates.arrived(`acme/${older}`)
+        // Leases are dated to the millisecond: two taken within one are equally old, in either order.
+        await sleep(5)
         const pending = post('/orders', key, { 'x-hold': '1' })
         await gates.arrived(key)
         const listing = await app.idempotency.inFlight()
