@@ -54,6 +54,18 @@ function tampering (storage: IdempotencyStorage): IdempotencyStorage {
   }
 }
 
+/** A store whose read bodies have one byte flipped while `altering.on`. */
+function switchable (storage: IdempotencyStorage, altering: { on: boolean }): IdempotencyStorage {
+  const altered = tampering(storage)
+  return {
+    begin: async (key, fingerprint, lockTimeout) => await (altering.on ? altered : storage).begin(key, fingerprint, lockTimeout),
+    complete: async (...args) => await storage.complete(...args),
+    release: async (key, token) => await storage.release(key, token),
+    renew: async (key, token, lockTimeout) => await storage.renew(key, token, lockTimeout),
+    forget: async (key, options) => await storage.forget!(key, options)
+  }
+}
+
 interface Exchange { status: number, headers: Headers, body: string }
 
 for (const store of cases) {
@@ -149,6 +161,30 @@ for (const store of cases) {
       expect(refused.status).toBe(409)
       expect(JSON.parse(refused.body).type).toMatch(/#stored-response-unreadable$/)
       expect(runs).toBe(before + 1)
+    })
+
+    it('in one process, replays an entry opened before, yet refuses it once altered and replays its successor once replaced', async () => {
+      // The same app throughout, so the same cipher: it keeps the entries it opened (encryption.ts).
+      const key = `reopened-${store.name}`
+      const altering = { on: false }
+      const url = await start({ encryption }, switchable(storage, altering))
+      const before = runs
+      const first = await post(url, SECRET.tokenA, key)
+      for (let replay = 0; replay < 3; replay++) expect(await post(url, SECRET.tokenA, key)).toMatchObject({ status: 201, body: first.body })
+      altering.on = true
+      const refused = await post(url, SECRET.tokenA, key)
+      expect(refused.status).toBe(409)
+      expect(JSON.parse(refused.body).type).toMatch(/#stored-response-unreadable$/)
+      altering.on = false
+      expect(await post(url, SECRET.tokenA, key)).toMatchObject({ status: 201, body: first.body })
+      // Forgotten, run again: the new entry is the one replayed, not what was opened before.
+      const app = apps.at(-1)!
+      expect(await app.idempotency.forget(key, { scope: scopeByHeader('authorization')({ headers: { authorization: `Bearer ${SECRET.tokenA}` } } as never) as string })).toMatchObject({ previous: 'stored' })
+      const second = await post(url, SECRET.tokenA, key)
+      expect(second.headers.get('idempotent-replayed')).toBeNull()
+      expect(JSON.parse(second.body).run).toBe(before + 2)
+      expect(await post(url, SECRET.tokenA, key)).toMatchObject({ status: 201, body: second.body })
+      expect(runs).toBe(before + 2)
     })
 
     it('stores what redact returns, while the first client gets the response in full', async () => {
