@@ -17,10 +17,9 @@
  */
 import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
-import { Redis } from 'ioredis'
-import { ServerProcess } from './processes.js'
-import { benchEnv } from './scenarios/common.js'
-import { SCENARIOS, type Workload } from './scenarios/index.js'
+import { removeRedisKeys, ServerProcess } from './processes.js'
+import { median } from './report.js'
+import { scenario, type Workload } from './scenarios/index.js'
 import { replayKey, workloadRequests } from './workloads.js'
 
 const HELP = `usage: npm run bench:rate -- [options]
@@ -56,9 +55,8 @@ const seconds = Number(values.seconds)
 const rounds = Number(values.rounds)
 const keys = Number(values.keys)
 const connections = Number(values.connections)
-for (const name of names) {
-  if (!SCENARIOS.some((scenario) => scenario.name === name)) throw new Error(`unknown scenario ${name}; known: ${SCENARIOS.map((scenario) => scenario.name).join(', ')}`)
-}
+// Throws for a name no scenario has, listing those there are.
+const infos = names.map(scenario)
 if (!['REPLAY', 'NEW', 'MIXED'].includes(workload)) throw new Error('--workload must be REPLAY, NEW or MIXED')
 
 const runId = `rate${Date.now().toString(36)}`
@@ -104,7 +102,7 @@ for (let round = 1; round <= rounds; round++) {
       const answered = await load(server, tag, seconds)
       const { cpu: after, stats } = await server.stats(true)
       // A bare route or a floor runs its handler on every request; a guarded one, once per key.
-      const guarded = ['ours', 'peer'].includes(SCENARIOS.find((scenario) => scenario.name === name)!.kind)
+      const guarded = ['ours', 'peer'].includes(scenario(name).kind)
       if (guarded && stats.duplicateKeys > 0) throw new Error(`${name}: a handler ran twice for one key`)
       if (guarded && workload === 'REPLAY' && stats.executions > 0) throw new Error(`${name}: a replay ran the handler`)
       const user = (after.user - before.user) / answered
@@ -119,22 +117,8 @@ for (let round = 1; round <= rounds; round++) {
 }
 
 // What the Redis scenarios stored: every key is under bench:<run id>-<scenario>.
-if (names.some((name) => SCENARIOS.find((scenario) => scenario.name === name)!.store === 'redis')) {
-  const client = new Redis({ host: benchEnv().redisHost, port: benchEnv().redisPort })
-  let cursor = '0'
-  do {
-    const [next, found] = await client.scan(cursor, 'MATCH', `bench:${runId}-*`, 'COUNT', 1000)
-    cursor = next
-    if (found.length > 0) await client.del(...found)
-  } while (cursor !== '0')
-  await client.quit()
-}
+if (infos.some((info) => info.store === 'redis')) await removeRedisKeys(`bench:${runId}-`)
 
-const median = (values: number[]): number => {
-  const sorted = [...values].sort((a, b) => a - b)
-  const middle = sorted.length >> 1
-  return sorted.length % 2 === 1 ? sorted[middle]! : (sorted[middle - 1]! + sorted[middle]!) / 2
-}
 console.log('\n| scenario | server CPU µs per request, median | user | system | rounds |\n|---|---:|---:|---:|---|')
 for (const [name, rows] of figures) {
   console.log(`| ${name} | ${median(rows.map((row) => row.cpu)).toFixed(1)} | ${median(rows.map((row) => row.user)).toFixed(1)} | ${median(rows.map((row) => row.system)).toFixed(1)} | ${rows.map((row) => row.cpu.toFixed(1)).join(', ')} |`)

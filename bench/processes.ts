@@ -4,6 +4,8 @@
  */
 import { spawn, type ChildProcess } from 'node:child_process'
 import { fileURLToPath } from 'node:url'
+import { Redis } from 'ioredis'
+import { benchEnv } from './scenarios/common.js'
 import type { ExecutionStats } from './scenarios/common.js'
 import type { FromServer, ToServer } from './server.js'
 import type { MemoryReport } from './memory.js'
@@ -121,4 +123,22 @@ export async function runMemoryCheck (requests: number): Promise<MemoryReport> {
   })
   await exited(child)
   return report
+}
+
+/** Delete every Redis key whose name starts with `prefix` (what a run's servers wrote); how many there were. */
+export async function removeRedisKeys (prefix: string): Promise<number> {
+  const env = benchEnv()
+  const client = new Redis({ host: env.redisHost, port: env.redisPort })
+  let removed = 0
+  try {
+    let cursor = '0'
+    do {
+      const [next, keys] = await client.scan(cursor, 'MATCH', `${prefix}*`, 'COUNT', 1000)
+      cursor = next
+      if (keys.length > 0) removed += await client.unlink(...keys)
+    } while (cursor !== '0')
+  } finally {
+    await client.quit()
+  }
+  return removed
 }

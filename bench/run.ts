@@ -18,7 +18,7 @@ import knexFactory from 'knex'
 import { benchEnv } from './scenarios/common.js'
 import { SCENARIOS, WORKLOADS, scenario as scenarioInfo, type ScenarioInfo, type Workload } from './scenarios/index.js'
 import { workloadRequests } from './workloads.js'
-import { REPO_ROOT, runMemoryCheck, ServerProcess } from './processes.js'
+import { removeRedisKeys, REPO_ROOT, runMemoryCheck, ServerProcess } from './processes.js'
 import { benchmarksDoc, chartSvg, comparePeers, evaluateBars, latestMarkdown, markdownTable, runIssues, summarize } from './report.js'
 import { formatProfile, summarizeProfile } from './profile.js'
 import type { BenchResults, MachineInfo, RunRecord } from './results-types.js'
@@ -233,20 +233,7 @@ async function redisCpuMicros (): Promise<number | null> {
 }
 
 async function cleanRedis (): Promise<number> {
-  const env = benchEnv()
-  const client = new Redis({ host: env.redisHost, port: env.redisPort })
-  let removed = 0
-  try {
-    let cursor = '0'
-    do {
-      const [next, keys] = await client.scan(cursor, 'MATCH', `bench:${runId}-*`, 'COUNT', 1000)
-      cursor = next
-      if (keys.length > 0) removed += await client.unlink(...keys)
-    } while (cursor !== '0')
-  } finally {
-    await client.quit()
-  }
-  return removed
+  return await removeRedisKeys(`bench:${runId}-`)
 }
 
 function packageVersion (name: string): string {

@@ -16,6 +16,7 @@
  * where meta holds the content type, the headers, and whether the body was omitted.
  */
 import { createCipheriv, createDecipheriv, createHmac, createSecretKey, hash, randomFillSync, type KeyObject } from 'node:crypto'
+import { LRUCache } from 'lru-cache'
 import type { StoredResponse } from './storage/types.js'
 import { UnreadableEntryError } from './storage/unreadable-entry.js'
 
@@ -83,9 +84,9 @@ export class ResponseCipher {
   readonly #keyedHash: KeyedHash
   readonly #ivs = new IvPool()
   /** Keyed hashes of recent storage keys (see hashKey). */
-  readonly #hashedKeys = new Map<string, string>()
+  readonly #hashedKeys = new LRUCache<string, string>({ max: HASHED_KEYS_KEPT })
   /** The entries opened last, by storage key (see open). */
-  readonly #opened = new Map<string, OpenedEntry>()
+  readonly #opened = new LRUCache<string, OpenedEntry>({ max: OPENED_ENTRIES_KEPT })
 
   constructor (options: EncryptionOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('fastify-idempotency: invalid options: encryption must be an object { keys, keyHashSecret }')
@@ -104,17 +105,11 @@ export class ResponseCipher {
 
   /** The storage key for a key and scope, composed as engine/storage-key.ts composes them. */
   hashKey (composed: string): string {
-    // A retry, and every replay after it, hashes the same key again. Each HMAC sets up a native
-    // context of its own, which costs several times its hashing inside a busy server (about 4 µs
-    // per request, docs/benchmarks.md), so the last keys' hashes are kept. They are held in this
-    // process only, where the keys pass through anyway; the store still sees hashes alone.
-    const cached = this.#hashedKeys.get(composed)
-    if (cached !== undefined) return cached
-    const hashed = KEYED_HASH_PREFIX + this.#keyedHash.digest(composed)
-    // A bounded set, emptied whole when full: cheaper per new key than keeping recency, and a
-    // key hashed again after that costs one HMAC, as without the cache.
-    if (this.#hashedKeys.size >= HASHED_KEYS_KEPT) this.#hashedKeys.clear()
-    this.#hashedKeys.set(composed, hashed)
+    // A retry, and every replay after it, hashes the same key again: the last keys' hashes are
+    // kept. They are held in this process only, where the keys pass through anyway; the store
+    // still sees hashes alone.
+    let hashed = this.#hashedKeys.get(composed)
+    if (hashed === undefined) this.#hashedKeys.set(composed, hashed = KEYED_HASH_PREFIX + this.#keyedHash.digest(composed))
     return hashed
   }
 
@@ -154,11 +149,8 @@ export class ResponseCipher {
     const recent = this.#opened.get(storageKey)
     if (recent !== undefined && recent.statusCode === entry.statusCode && recent.envelope.equals(body)) return recent.response
     const response = this.#decrypt(storageKey, entry)
-    if (body.length <= OPENED_ENVELOPE_MAX_BYTES) {
-      if (this.#opened.size >= OPENED_ENTRIES_KEPT) this.#opened.clear()
-      // A copy: a reply parser's Buffer may be a slice of a much larger read.
-      this.#opened.set(storageKey, { statusCode: entry.statusCode, envelope: Buffer.from(body), response })
-    }
+    // A copy: a reply parser's Buffer may be a slice of a much larger read.
+    if (body.length <= OPENED_ENVELOPE_MAX_BYTES) this.#opened.set(storageKey, { statusCode: entry.statusCode, envelope: Buffer.from(body), response })
     return response
   }
 

@@ -55,7 +55,7 @@ export async function runCommand (argv: readonly string[], io: CommandIO): Promi
   } finally {
     // The store's own connections (a subscriber, a listener); the clients it was given are the
     // module's, which the process exit ends.
-    await Promise.race([close?.().catch(() => {}), new Promise((resolve) => setTimeout(resolve, 1000).unref())])
+    if (close !== undefined) await withinTime(close(), 1000, () => new Error('the store did not close within 1 s')).catch(() => {})
   }
 }
 
