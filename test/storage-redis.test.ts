@@ -1,9 +1,10 @@
 import { once } from 'node:events'
+import { createRequire } from 'node:module'
 import { connect } from 'node:net'
 import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest'
 import Fastify from 'fastify'
 import fastifyRedis from '@fastify/redis'
-import { Redis } from 'ioredis'
+import { Redis, ReplyError } from 'ioredis'
 import type { RedisOptions } from 'ioredis'
 import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
@@ -47,6 +48,20 @@ function hashTag (key: string): string {
 function unescapeTag (tag: string): string {
   return tag.replace(/%(25|7B|7D|u[0-9A-F]{4})/g, (_, code: string) =>
     code[0] === 'u' ? String.fromCharCode(parseInt(code.slice(1), 16)) : String.fromCharCode(parseInt(code, 16)))
+}
+
+/** ioredis loaded a second time, as an application with two copies of it has. */
+function secondIoredis (): { Redis: typeof Redis } {
+  const require = createRequire(import.meta.url)
+  const own = (name: string): boolean => name.includes('/node_modules/ioredis/')
+  const saved = Object.entries(require.cache).filter(([name]) => own(name))
+  for (const [name] of saved) Reflect.deleteProperty(require.cache, name)
+  try {
+    return require('ioredis') as { Redis: typeof Redis }
+  } finally {
+    for (const name of Object.keys(require.cache).filter(own)) Reflect.deleteProperty(require.cache, name)
+    for (const [name, module] of saved) require.cache[name] = module
+  }
 }
 
 interface MonitorLine {
@@ -222,19 +237,106 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       const own = newClient()
       const storage = new RedisStorage({ client: own, prefix: PREFIX + 'noscript:' })
       const key = freshKey('noscript')
-      const first = await storage.begin(key, 'fp', LEASE)
-      const token = first.state === 'acquired' ? first.token : ''
+      const token = tokenOf(await storage.begin(key, 'fp', LEASE))
       // The first script call on a client is an EVAL; from then on EVALSHA.
       expect(await storage.renew(key, token, LEASE)).toBe(true)
-      const evalsha = vi.spyOn(own, 'evalsha').mockImplementationOnce(async () => { throw new Error('NOSCRIPT No matching script. Please use EVAL.') })
-      const evalSpy = vi.spyOn(own, 'eval')
+      const sent: string[] = []
+      let refuse: string | null = 'NOSCRIPT No matching script. Please use EVAL.'
+      const original = own.sendCommand.bind(own)
+      vi.spyOn(own, 'sendCommand').mockImplementation((command, ...rest) => {
+        sent.push(command.name)
+        if (command.name !== 'evalsha' || refuse === null) return original(command, ...rest)
+        // The server's answer to an EVALSHA of a script it does not have.
+        command.reject(new ReplyError(refuse))
+        refuse = null
+        return command.promise
+      })
       expect(await storage.renew(key, token, LEASE)).toBe(true)
-      expect(evalsha).toHaveBeenCalledTimes(1)
-      expect(evalSpy).toHaveBeenCalledTimes(1)
+      expect(sent).toEqual(['evalsha', 'eval'])
       // Any other error is the caller's.
-      evalsha.mockImplementationOnce(async () => { throw new Error('ERR something else') })
+      refuse = 'ERR something else'
       await expect(storage.renew(key, token, LEASE)).rejects.toThrow('ERR something else')
-      expect(evalSpy).toHaveBeenCalledTimes(1)
+      expect(sent).toEqual(['evalsha', 'eval', 'evalsha'])
+    })
+
+    it('writes the commands of one event-loop turn to the socket at once, with or without auto-pipelining', async () => {
+      for (const enableAutoPipelining of [false, true]) {
+        const own = newClient({ enableAutoPipelining })
+        await own.ping()
+        const storage = new RedisStorage({ client: own, prefix: PREFIX + 'batch:' })
+        const socket = own.stream as unknown as { _write: unknown, _writev: unknown }
+        const write = vi.spyOn(socket, '_write' as never)
+        const writev = vi.spyOn(socket, '_writev' as never)
+        const keys = Array.from({ length: 20 }, () => freshKey('batch'))
+        const results = await Promise.all(keys.map((key) => storage.begin(key, 'fp', LEASE)))
+        expect(results.every((result) => result.state === 'acquired')).toBe(true)
+        expect(write).not.toHaveBeenCalled()
+        expect(writev).toHaveBeenCalledTimes(1)
+        expect((writev.mock.calls[0] as unknown as [unknown[]])[0]).toHaveLength(20)
+        // Ending the twenty leases: one write again.
+        const ended = await Promise.all(results.map((result, index) => storage.complete(keys[index]!, tokenOf(result), response, EXPIRY)))
+        expect(ended.every((stored) => stored)).toBe(true)
+        expect(writev).toHaveBeenCalledTimes(2)
+        expect(write).not.toHaveBeenCalled()
+      }
+    })
+
+    it('leaves the commands the application sends on the same client in the same turn in their order', async () => {
+      const own = newClient()
+      await own.ping()
+      const storage = new RedisStorage({ client: own, prefix: PREFIX + 'shared-turn:' })
+      const key = freshKey('shared-turn')
+      const other = PREFIX + 'shared-turn-own-key'
+      const [set, lease, read] = await Promise.all([
+        own.set(other, 'mine'),
+        storage.begin(key, 'fp', LEASE),
+        own.get(other)
+      ])
+      expect(set).toBe('OK')
+      expect(lease.state).toBe('acquired')
+      expect(read).toBe('mine')
+      // Nothing stays corked after the turn.
+      await new Promise((resolve) => setImmediate(resolve))
+      expect(own.stream.writableCorked).toBe(0)
+    })
+
+    it('works with a client of another copy of ioredis, through the client\'s own methods', async () => {
+      const { Redis: OtherRedis } = secondIoredis()
+      expect(OtherRedis).not.toBe(Redis)
+      const other = new OtherRedis({ ...options, enableAutoPipelining: true }) as unknown as Redis
+      try {
+        const storage = new RedisStorage({ client: other, prefix: PREFIX + 'other-copy:' })
+        const sent = vi.spyOn(other, 'setBuffer')
+        const key = freshKey('other-copy')
+        const token = tokenOf(await storage.begin(key, 'fp', LEASE))
+        expect(sent).toHaveBeenCalledTimes(1)
+        expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
+        const replay = await storage.begin(key, 'fp', LEASE)
+        expect(replay.state === 'completed' && replay.response.body.equals(response.body)).toBe(true)
+      } finally {
+        other.disconnect()
+      }
+    })
+
+    it('gives a client with showFriendlyErrorStack its errors with the caller\'s stack', async () => {
+      const friendly = newClient({ showFriendlyErrorStack: true })
+      const storage = new RedisStorage({ client: friendly, prefix: PREFIX + 'friendly:' })
+      const key = freshKey('friendly')
+      // A list where the storage expects a string: Redis answers WRONGTYPE.
+      await client.rpush(storage.redisKey(key), 'not an entry')
+      const error = await storage.begin(key, 'fp', LEASE).catch((caught: unknown) => caught) as Error
+      expect(error).toBeInstanceOf(ReplyError)
+      expect(error.message).toMatch(/^WRONGTYPE/)
+      expect(error.stack).toContain('storage-redis.test.ts')
+    })
+
+    it('sends what it is asked before the client has connected once it has', async () => {
+      const lazy = newClient({ lazyConnect: true })
+      const storage = new RedisStorage({ client: lazy, prefix: PREFIX + 'lazy:' })
+      const key = freshKey('lazy')
+      const token = tokenOf(await storage.begin(key, 'fp', LEASE))
+      expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
+      expect((await storage.begin(key, 'fp', LEASE)).state).toBe('completed')
     })
 
     it('defines nothing on the client, however many storages share it', async () => {

@@ -6,7 +6,8 @@ import { KeyWaiters, type Waiter } from '../waiters.js'
 import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
 import { channelOf, redisKeyOf } from './keys.js'
 import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.js'
-import { END_LEASE, MARK_WAITING, RENEW, type ScriptingClient } from './scripts.js'
+import { RedisCommands } from './commands.js'
+import { END_LEASE, MARK_WAITING, RENEW } from './scripts.js'
 
 export interface RedisStorageOptions {
   /**
@@ -31,7 +32,6 @@ export interface RedisStorageOptions {
  * Cluster goes to every node).
  */
 
-type SetNxGet = (key: string, value: string, px: 'PX', ttl: number, nx: 'NX', get: 'GET') => Promise<Buffer | null>
 type Subscriber = (Redis | Cluster) & { on: (event: string, listener: (...args: unknown[]) => void) => unknown }
 
 /** What the scripts compare a lease's first bytes with. */
@@ -56,9 +56,8 @@ function beginResult (value: Buffer | null, token: string, fingerprint: string):
  * expired by Redis itself.
  */
 export class RedisStorage implements IdempotencyStorage {
-  readonly #client: ScriptingClient
-  readonly #setNxGet: SetNxGet
-  readonly #getBuffer: (key: string) => Promise<Buffer | null>
+  /** How the commands on a request's path are sent (commands.ts); it holds the client. */
+  readonly #commands: RedisCommands
   readonly #open: string
   readonly #tokens = new TokenGenerator()
   /** What the operations (inspect, forget, listInFlight) see of this storage. */
@@ -70,7 +69,7 @@ export class RedisStorage implements IdempotencyStorage {
   })
 
   constructor (options: RedisStorageOptions) {
-    const client = options?.client as unknown as ScriptingClient | undefined
+    const client = options?.client as unknown as { defineCommand?: unknown, evalsha?: unknown } | undefined
     // `defineCommand` tells ioredis from other clients that also have `evalsha` and `eval`.
     if (client === undefined || client === null || typeof client.defineCommand !== 'function' || typeof client.evalsha !== 'function') {
       throw new TypeError('RedisStorage: `client` must be an ioredis Redis or Cluster instance')
@@ -81,9 +80,7 @@ export class RedisStorage implements IdempotencyStorage {
     if (prefix.includes('{') || prefix.includes('}')) {
       throw new TypeError('RedisStorage: `prefix` must not contain `{` or `}`; the storage places its own hash tag')
     }
-    this.#client = client
-    this.#setNxGet = (client as unknown as { setBuffer: SetNxGet }).setBuffer.bind(client)
-    this.#getBuffer = (client as unknown as { getBuffer: (key: string) => Promise<Buffer | null> }).getBuffer.bind(client)
+    this.#commands = new RedisCommands(options.client)
     this.#open = prefix + '{'
     this.#view = { client: options.client, open: this.#open }
   }
@@ -103,7 +100,7 @@ export class RedisStorage implements IdempotencyStorage {
     const redisKey = this.redisKey(key)
     let value
     try {
-      value = await this.#setNxGet(redisKey, lease, 'PX', ms, 'NX', 'GET')
+      value = await this.#commands.send('set', [redisKey, lease, 'PX', ms, 'NX', 'GET']) as Buffer | null
     } catch (error) {
       if (!(error instanceof Error) || error.name !== 'ReplyError') {
         // Sent but unanswered (a command timeout, a connection lost for good): the SET may have
@@ -114,7 +111,7 @@ export class RedisStorage implements IdempotencyStorage {
       // A Redis full under noeviction refuses SET even for a key that exists; what is there can
       // still be read, so a replay or an in-flight answer does not fail with it.
       if (!error.message.startsWith('OOM')) throw error
-      const existing = await this.#getBuffer(redisKey)
+      const existing = await this.#commands.send('get', [redisKey]) as Buffer | null
       if (existing === null) throw error
       value = existing
     }
@@ -125,16 +122,16 @@ export class RedisStorage implements IdempotencyStorage {
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const lease = splitLeaseToken(token)
     const entry = encodeEntry(lease.fingerprint, response, Date.now())
-    return await END_LEASE.run(this.#client, this.redisKey(key), fenceOf(lease.token), entry, duration('RedisStorage', 'expiration', expiration)) === 1
+    return await END_LEASE.run(this.#commands, this.redisKey(key), fenceOf(lease.token), entry, duration('RedisStorage', 'expiration', expiration)) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
-    return await END_LEASE.run(this.#client, this.redisKey(key), fence(token)) === 1
+    return await END_LEASE.run(this.#commands, this.redisKey(key), fence(token)) === 1
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
     const ms = duration('RedisStorage', 'lockTimeout', lockTimeout)
-    return await RENEW.run(this.#client, this.redisKey(key), fence(token), Date.now() + ms, ms) === 1
+    return await RENEW.run(this.#commands, this.redisKey(key), fence(token), Date.now() + ms, ms) === 1
   }
 
   /**
@@ -158,7 +155,7 @@ export class RedisStorage implements IdempotencyStorage {
       if (first) await (await subscriber).subscribe(channel)
       // Subscribed: an end from now on is heard (the mark makes the holder publish it). One that
       // came before is seen here: there is no lease left to mark.
-      if (await MARK_WAITING.run(this.#client, redisKey) === 0) waiter.settle()
+      if (await MARK_WAITING.run(this.#commands, redisKey) === 0) waiter.settle()
     } catch (error) {
       waiter.settle(error)
     }
@@ -187,7 +184,7 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   async #subscribe (): Promise<Subscriber> {
-    const connection = (this.#client as unknown as Redis).duplicate() as Subscriber
+    const connection = (this.#commands.client as Redis).duplicate() as Subscriber
     connection.on('message', (channel: unknown) => { this.#waiters.wake(String(channel)) })
     // A broken subscriber fails the waits in progress (the plugin then polls) and is replaced on
     // the next wait; its errors must not go unhandled.

@@ -3,6 +3,7 @@
  * use comes from the value layout (codec.ts).
  */
 import { createHash } from 'node:crypto'
+import type { CommandArg, RedisCommands } from './commands.js'
 import { FENCE_LENGTH, LEASE_TAG, SEPARATOR, WAITERS_OFFSET, WAITING } from './codec.js'
 import { CHANNEL_SUFFIX } from './keys.js'
 
@@ -103,21 +104,14 @@ end
 return {2, 0}
 `
 
-type ScriptArg = string | number | Buffer
-type ScriptCall = (scriptOrSha: string, numberOfKeys: number, key: string, ...args: ScriptArg[]) => Promise<unknown>
-export interface ScriptingClient {
-  evalsha: ScriptCall
-  eval: ScriptCall
-  defineCommand: unknown
-}
-
 /**
  * A script sent as `EVALSHA`, and as `EVAL` (which also loads it into the server) the first time
  * on each client and whenever the server answers NOSCRIPT: after a restart, a failover or a
- * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Called directly rather than
- * through ioredis's `defineCommand`, whose wrapper adds an extra promise, a callback adapter and a
- * rejection hook to every call (8.2 against 10.6 µs of client CPU per call:
- * docs/benchmarks.md#measurements-behind-the-design).
+ * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Sent as plain commands
+ * (commands.ts) rather than through ioredis's `defineCommand`, whose wrapper adds an extra
+ * promise, a callback adapter and a rejection hook to every call (8.2 against 10.6 µs of client
+ * CPU per call: docs/benchmarks.md#measurements-behind-the-design), and defines nothing on the
+ * client.
  */
 class Script {
   readonly #lua: string
@@ -130,16 +124,17 @@ class Script {
     this.#sha = createHash('sha1').update(lua).digest('hex')
   }
 
-  async run (client: ScriptingClient, key: string, ...args: ScriptArg[]): Promise<number> {
+  async run (commands: RedisCommands, key: string, ...args: CommandArg[]): Promise<number> {
+    const client = commands.client
     if (this.#loaded.has(client)) {
       try {
-        return Number(await client.evalsha(this.#sha, 1, key, ...args))
+        return Number(await commands.send('evalsha', [this.#sha, 1, key, ...args]))
       } catch (error) {
         if (!(error instanceof Error) || !error.message.startsWith('NOSCRIPT')) throw error
       }
     }
     this.#loaded.add(client)
-    return Number(await client.eval(this.#lua, 1, key, ...args))
+    return Number(await commands.send('eval', [this.#lua, 1, key, ...args]))
   }
 }
 
