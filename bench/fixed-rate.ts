@@ -19,6 +19,7 @@ import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
 import { removeRedisKeys, ServerProcess } from './processes.js'
 import { median } from './report.js'
+import { KEY_HEADER } from './scenarios/common.js'
 import { scenario, type Workload } from './scenarios/index.js'
 import { replayKey, workloadRequests } from './workloads.js'
 
@@ -62,13 +63,18 @@ if (!['REPLAY', 'NEW', 'MIXED'].includes(workload)) throw new Error('--workload 
 const runId = `rate${Date.now().toString(36)}`
 let run = 0
 
+/** The `index`th stored key of a REPLAY run (`--keys`): the workload's own key when there is one. */
+function storedKey (tag: string, index: number): string {
+  return keys === 1 ? replayKey(tag) : `${replayKey(tag)}-${index % keys}`
+}
+
 /** The requests of one run: the workload's, or for REPLAY over several keys, those keys in turn. */
 function requests (tag: string): autocannon.Request[] {
   const unique = `${runId}-${++run}`
   if (workload !== 'REPLAY' || keys === 1) return workloadRequests(workload, tag, unique)
   const [request] = workloadRequests('REPLAY', tag, unique)
   let n = 0
-  return [{ ...request, setupRequest: (sent) => { (sent.headers as Record<string, string>)['idempotency-key'] = `${replayKey(tag)}-${n++ % keys}`; return sent } }]
+  return [{ ...request, setupRequest: (sent) => { (sent.headers as Record<string, string>)[KEY_HEADER] = storedKey(tag, n++); return sent } }]
 }
 
 async function load (server: ServerProcess, tag: string, duration: number): Promise<number> {
@@ -82,8 +88,8 @@ async function load (server: ServerProcess, tag: string, duration: number): Prom
 async function store (server: ServerProcess, tag: string): Promise<void> {
   const [request] = workloadRequests('REPLAY', tag, 'store')
   for (let index = 0; index < keys; index++) {
-    const key = keys === 1 ? replayKey(tag) : `${replayKey(tag)}-${index}`
-    const response = await fetch(`${server.url}${request!.path}`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: request!.body as string })
+    const key = storedKey(tag, index)
+    const response = await fetch(`${server.url}${request!.path}`, { method: 'POST', headers: { 'content-type': 'application/json', [KEY_HEADER]: key }, body: request!.body as string })
     if (!response.ok) throw new Error(`${server.name}: storing ${key} answered ${response.status}`)
     await response.arrayBuffer()
   }

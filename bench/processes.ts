@@ -5,8 +5,7 @@
 import { spawn, type ChildProcess } from 'node:child_process'
 import { fileURLToPath } from 'node:url'
 import { Redis } from 'ioredis'
-import { benchEnv } from './scenarios/common.js'
-import type { ExecutionStats } from './scenarios/common.js'
+import { benchEnv, type ExecutionStats } from './scenarios/common.js'
 import type { FromServer, ToServer } from './server.js'
 import type { MemoryReport } from './memory.js'
 
