@@ -117,7 +117,8 @@ export function storageConformance (
 ): void {
   const { describe, it, beforeEach, afterAll } = harness
   const shortTtl = options.shortTtl ?? 60
-  const lapse = () => sleep(shortTtl * 2 + 20)
+  /** Wait until a lease or expiration of `ttl` ms has surely run out. */
+  const lapse = (ttl = shortTtl) => sleep(ttl * 2 + 20)
   const LEASE = 30_000
   const EXPIRY = 60_000
   let storage: IdempotencyStorage | undefined
@@ -247,6 +248,7 @@ export function storageConformance (
       // may not, and then the lease has lapsed for a reason that is no fault of the store. Such an
       // attempt proves nothing either way, so it is made again with a lease twice as long, so that
       // a slow machine slows the test down instead of failing it.
+      const attempts = 7 // leases of shortTtl up to 64 × shortTtl
       for (let attempt = 1; ; attempt++) {
         const ttl = shortTtl * 2 ** (attempt - 1)
         const key = freshKey('renew')
@@ -254,11 +256,11 @@ export function storageConformance (
         const token = expectAcquired(await store().begin(key, 'fp', ttl))
         const renewed = await store().renew(key, token, LEASE)
         if (performance.now() - sent >= ttl) {
-          if (attempt < 7) continue
+          if (attempt < attempts) continue
           assert.fail(`begin and renew took ${ttl} ms or more: too slow to tell whether renew extends a lease`)
         }
         assert.equal(renewed, true)
-        await sleep(ttl * 2 + 20)
+        await lapse(ttl)
         assert.equal((await store().begin(key, 'fp', LEASE)).state, 'in-flight')
         assert.equal(await store().complete(key, token, sampleResponse(), EXPIRY), true)
         return
