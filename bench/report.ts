@@ -369,7 +369,7 @@ function escapeXml (text: string): string {
   return text.replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;').replace(/"/g, '&quot;')
 }
 
-const COLORS = { ours: '#2563eb', peer: '#9ca3af', incorrect: '#dc2626', met: '#16a34a', missed: '#dc2626' }
+const COLORS = { ours: '#2563eb', peer: '#9ca3af', floor: '#4b5563', incorrect: '#dc2626', met: '#16a34a', missed: '#dc2626' }
 
 /** Throughput of each scenario relative to its floor or baseline: one bar per scenario and workload. */
 export function chartSvg (results: BenchResults): string {
@@ -398,7 +398,7 @@ export function chartSvg (results: BenchResults): string {
   out.push('<text x="12" y="22" font-size="15" font-weight="600">fastify-idempotency: throughput relative to each scenario\'s floor or baseline</text>')
   const m = results.machine
   out.push(`<text x="12" y="40" fill="#4b5563">Median of ${results.settings.rounds} interleaved rounds (${results.mode} mode), ratios paired by round; ${escapeXml(m.cpuModel)}, ${m.cores} cores, Node ${escapeXml(m.node)}; ${results.generatedAt.slice(0, 10)}</text>`)
-  out.push('<text x="12" y="56" fill="#4b5563">Blue: fastify-idempotency. Grey: peers. Red: incorrect (handler ran twice, or wrong answers). ✓/✗: the target for that row (undecided: its rounds straddle it).</text>')
+  out.push('<text x="12" y="56" fill="#4b5563">Blue: fastify-idempotency. Grey: peers. Dark grey: the in-process floor. Red: incorrect (handler ran twice, or wrong answers). ✓/✗: the target for that row (undecided: its rounds straddle it).</text>')
   // reference lines
   const plotTop = top - 8
   const plotBottom = height - 52
@@ -420,7 +420,7 @@ export function chartSvg (results: BenchResults): string {
       y += 8
     }
     const ratio = s.ratio!.median
-    const color = s.correct === false ? COLORS.incorrect : s.kind === 'ours' ? COLORS.ours : COLORS.peer
+    const color = s.correct === false ? COLORS.incorrect : s.kind === 'ours' ? COLORS.ours : s.kind === 'floor' ? COLORS.floor : COLORS.peer
     const label = `${scenarioInfo(s.scenario).short} ÷ ${s.baseline === null ? '' : scenarioInfo(s.baseline).short}`
     out.push(`<text x="${labelWidth - 8}" y="${y + 14}" text-anchor="end" fill="#111827">${escapeXml(label)}</text>`)
     const w = Math.max(1, x(ratio) - labelWidth)
@@ -506,6 +506,7 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
     '- **Workloads**: REPLAY (one stored key), NEW (a fresh key per request), MIXED (9 in 10 requests replay, the 10th is fresh), ' +
       `CONFLICT (all connections on one key that changes every ${CONFLICT_KEY_PERIOD_MS} ms, handler taking ${CONFLICT_HANDLER_MS} ms).`,
     '- **Baselines and floors**: the bare Fastify route (for the plugin on memory, the unflagged route and the memory peer); ' +
+      'the in-process floor, measured against the bare route as the plugin on memory is: the least a layer built on Fastify\'s hooks does (in `preHandler`, a SHA-256 of `JSON.stringify` of the body and a `Map` lookup that answers or marks the key in flight; in `onSend`, the status, content type and payload kept; the oldest of 100,000 entries dropped), with no lease, token, deadline, header capture or shutdown drain; ' +
       'the Redis floor, a plain Fastify route that spends only the round trips no idempotency store can avoid: one `GET` for a replay (REPLAY, and the replays of MIXED) ' +
       'and two round trips (`SET NX PX`, handler, `SET PX`) for a fresh key, on ioredis with `enableAutoPipelining: true`. ' +
       '`RedisStorage` uses a client with the same setting. ' +

@@ -1,8 +1,9 @@
 /**
  * The Fastify scenarios: the bare route, the plugin (unflagged route, memory, Redis, PostgreSQL,
- * SQLite) and the Redis floor. Every one serves the same `POST /orders` with the same handler.
+ * SQLite), the in-process floor and the Redis floor. Every one serves the same `POST /orders`
+ * with the same handler.
  */
-import { randomBytes } from 'node:crypto'
+import { hash, randomBytes } from 'node:crypto'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import { Redis } from 'ioredis'
 import { benchEnv, ExecutionCounter, KEY_HEADER, placeOrder, ROUTE, type BenchServer, type OrderBody } from './common.js'
@@ -82,6 +83,56 @@ export async function memorySealed (): Promise<BenchServer> {
   await app.register(idempotency, { storage: new MemoryStorage(), encryption: { keys: [randomBytes(32)], keyHashSecret: randomBytes(32) } })
   app.setErrorHandler(idempotencyErrorHandler())
   app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
+  return await listen(app, counter)
+}
+
+/** What the in-process floor keeps per key: `body` is `null` while the first request runs. */
+interface FloorEntry {
+  fingerprint: string
+  status: number
+  contentType: string
+  body: string | null
+}
+
+/**
+ * The least an in-process idempotency layer built on Fastify's hooks does, and nothing more: in
+ * `preHandler`, read the key, hash `JSON.stringify` of the parsed body (no canonical form), look
+ * the key up in a `Map` and either answer from it or mark the key in flight; in `onSend`, keep the
+ * status, content type and payload. It holds as many entries as MemoryStorage does by default,
+ * dropping the oldest. No lease, token, deadline, header capture, shutdown drain or error
+ * handling: what it costs over the bare route is what any hook-based layer on memory pays.
+ */
+export async function memoryFloor (): Promise<BenchServer> {
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  const entries = new Map<string, FloorEntry>()
+  const bound = 100_000
+  const taken = new WeakMap<FastifyRequest, FloorEntry>()
+  app.post(ROUTE, {
+    preHandler: async (request, reply) => {
+      const key = request.headers[KEY_HEADER]
+      if (typeof key !== 'string') throw new Error('the floor needs a key')
+      const fingerprint = hash('sha256', JSON.stringify(request.body), 'base64url')
+      const stored = entries.get(key)
+      if (stored !== undefined) {
+        if (stored.fingerprint !== fingerprint || stored.body === null) return await reply.code(409).send()
+        return await reply.code(stored.status).type(stored.contentType).send(stored.body)
+      }
+      const entry: FloorEntry = { fingerprint, status: 0, contentType: '', body: null }
+      entries.set(key, entry)
+      if (entries.size > bound) entries.delete(entries.keys().next().value!)
+      taken.set(request, entry)
+    },
+    onSend: async (request, reply, payload) => {
+      const entry = taken.get(request)
+      if (entry !== undefined) {
+        entry.status = reply.statusCode
+        entry.contentType = String(reply.getHeader('content-type'))
+        entry.body = payload as string
+      }
+      return payload
+    }
+  }, orderHandler(counter))
   return await listen(app, counter)
 }
 

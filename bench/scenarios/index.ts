@@ -67,6 +67,18 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     start: async () => await (await import('./fastify.js')).memory()
   },
   {
+    name: 'memory-floor',
+    short: 'in-process floor',
+    guarded: true,
+    label: 'in-process floor (hooks, SHA-256, a Map)',
+    kind: 'floor',
+    store: 'memory',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: 'bare',
+    start: async () => await (await import('./fastify.js')).memoryFloor()
+  },
+  {
     name: 'memory-sealed',
     short: 'MemoryStorage, encrypted',
     guarded: true,
