@@ -240,8 +240,11 @@ for (const target of targets) {
         [['forget', 'two words', '--force'], 2, /the key is not one a client could send/],
         [['forget', 'x'.repeat(256), '--force'], 2, /longer than 255/]
       ]
-      const results = await Promise.all(cases.map(async ([args]) => await command([...args, ...(args.includes('--config') ? [] : ['--config', configFile])], env)))
-      for (const [index, [args, code, message]] of cases.entries()) {
+      // These are refused before any store is opened, the same whichever store the config names:
+      // they run once, on SQLite (which needs no service), and each store gets its outage below.
+      const checked = target.name === 'sqlite' ? cases : []
+      const results = await Promise.all(checked.map(async ([args]) => await command([...args, ...(args.includes('--config') ? [] : ['--config', configFile])], env)))
+      for (const [index, [args, code, message]] of checked.entries()) {
         expect(results[index]!.code, args.join(' ')).toBe(code)
         expect(results[index]!.stderr, args.join(' ')).toMatch(message)
         expect(results[index]!.stdout).toBe('')
