@@ -3,6 +3,7 @@
  * section in docs/errors.md) and a stable `title`, so `idempotencyErrorHandler` can render RFC 9457
  * problem details and users can map them in their own error handler with `isIdempotencyError`.
  */
+import { shareIdentity } from './storage/error-identity.js'
 
 /** Where each problem `type` URI points: one section of docs/errors.md per error kind. */
 export const PROBLEM_TYPE_BASE = 'https://github.com/fastify-idempotency/fastify-idempotency/blob/main/docs/errors.md'
@@ -63,6 +64,7 @@ export abstract class IdempotencyError extends Error {
     return (this.constructor as typeof IdempotencyError).title
   }
 }
+shareIdentity(IdempotencyError, 'IdempotencyError')
 
 /** A stored or in-flight request used this key with a different fingerprint. */
 export class IdempotencyFingerprintMismatchError extends IdempotencyError {
@@ -74,6 +76,7 @@ export class IdempotencyFingerprintMismatchError extends IdempotencyError {
     super('The request fingerprint does not match the existing entry for this Idempotency-Key; use a new key for a different operation.', statusCode, idempotencyKey, { ...DO_NOT_RETRY })
   }
 }
+shareIdentity(IdempotencyFingerprintMismatchError, 'IdempotencyFingerprintMismatchError')
 
 /** The route requires an `Idempotency-Key` and the request had none. */
 export class IdempotencyKeyMissingError extends IdempotencyError {
@@ -85,6 +88,7 @@ export class IdempotencyKeyMissingError extends IdempotencyError {
     super(`This operation requires an ${headerName} header.`, 400, undefined, { ...DO_NOT_RETRY })
   }
 }
+shareIdentity(IdempotencyKeyMissingError, 'IdempotencyKeyMissingError')
 
 /** The `Idempotency-Key` header is malformed, too long, or sent more than once. */
 export class IdempotencyKeyInvalidError extends IdempotencyError {
@@ -96,6 +100,7 @@ export class IdempotencyKeyInvalidError extends IdempotencyError {
     super(reason, 400, undefined, { ...DO_NOT_RETRY })
   }
 }
+shareIdentity(IdempotencyKeyInvalidError, 'IdempotencyKeyInvalidError')
 
 /** The request body is nested too deeply to be fingerprinted (more than 1,000 levels). */
 export class IdempotencyFingerprintError extends IdempotencyError {
@@ -107,6 +112,7 @@ export class IdempotencyFingerprintError extends IdempotencyError {
     super('The request body could not be fingerprinted: it is nested too deeply. Simplify it or send it without an Idempotency-Key.', 400, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
   }
 }
+shareIdentity(IdempotencyFingerprintError, 'IdempotencyFingerprintError')
 
 /**
  * The body as the server's own parser or hooks made it holds a value that has no canonical form
@@ -128,6 +134,7 @@ export class IdempotencyFingerprintUnsupportedError extends IdempotencyError {
     this.path = path
   }
 }
+shareIdentity(IdempotencyFingerprintUnsupportedError, 'IdempotencyFingerprintUnsupportedError')
 
 /** A request with this key and the same fingerprint is still being processed. */
 export class IdempotencyRequestInProgressError extends IdempotencyError {
@@ -144,6 +151,7 @@ export class IdempotencyRequestInProgressError extends IdempotencyError {
     this.retryAfter = Number(headers['retry-after'])
   }
 }
+shareIdentity(IdempotencyRequestInProgressError, 'IdempotencyRequestInProgressError')
 
 /** The idempotency store could not be reached, so the request was not run (fail closed). */
 export class IdempotencyStoreUnavailableError extends IdempotencyError {
@@ -155,6 +163,7 @@ export class IdempotencyStoreUnavailableError extends IdempotencyError {
     super('The idempotency store is unavailable, so the request was not processed; retry later.', 503, idempotencyKey, retryAfterHeaders(1), { cause })
   }
 }
+shareIdentity(IdempotencyStoreUnavailableError, 'IdempotencyStoreUnavailableError')
 
 /**
  * The app is closing: the request reached a guarded route after `app.close()` began (possible with
@@ -170,6 +179,7 @@ export class IdempotencyServerClosingError extends IdempotencyError {
     super('The server is shutting down, so the request was not processed; retry it.', 503, idempotencyKey, retryAfterHeaders(1))
   }
 }
+shareIdentity(IdempotencyServerClosingError, 'IdempotencyServerClosingError')
 
 /**
  * The route's `scope` could not say whose request this is: it found no caller in a request that
@@ -185,6 +195,7 @@ export class IdempotencyScopeError extends IdempotencyError {
     super('The server could not tell which caller this request belongs to, so it did not process it.', 500, idempotencyKey, { ...DO_NOT_RETRY })
   }
 }
+shareIdentity(IdempotencyScopeError, 'IdempotencyScopeError')
 
 /**
  * What is stored under this key cannot be read or compared by this server: with encryption on, an
@@ -203,6 +214,7 @@ export class IdempotencyStoredResponseUnreadableError extends IdempotencyError {
     super('What is stored for this Idempotency-Key cannot be read by this server, so nothing is replayed and the request was not processed again; use a new key only if you know the first request did not take effect.', 409, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
   }
 }
+shareIdentity(IdempotencyStoredResponseUnreadableError, 'IdempotencyStoredResponseUnreadableError')
 
 /** True for every error this plugin raises. */
 export function isIdempotencyError (error: unknown): error is IdempotencyError {

@@ -11,26 +11,16 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { execFile } from 'node:child_process'
-import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { existsSync, readFileSync, readdirSync, statSync, writeFileSync } from 'node:fs'
 import { dirname, join, relative, resolve } from 'node:path'
 import { anchorsOf, isExternal, linksOf } from './helpers/markdown.js'
+import { exec, packedConsumer, root, run, type PackedConsumer } from './helpers/packed.js'
 
-const root = resolve(import.meta.dirname, '..')
-const work = join(root, '.tmp', `package-${process.pid}`)
-const consumer = join(work, 'consumer')
-const installed = join(consumer, 'node_modules', 'fastify-idempotency')
+let packed: PackedConsumer
 let tarball = ''
-
-interface Finished { code: number, output: string }
-
-/** A command's exit code and its output (stdout, then stderr). */
-function exec (command: string, args: string[], cwd: string): Promise<Finished> {
-  return new Promise((resolve) => {
-    execFile(command, args, { cwd, encoding: 'utf8', maxBuffer: 64 * 1024 * 1024, env: { ...process.env, npm_config_loglevel: 'error' } }, (error, stdout, stderr) => {
-      resolve({ code: error === null ? 0 : typeof error.code === 'number' ? error.code : 1, output: stdout + stderr })
-    })
-  })
-}
+let consumer = ''
+let installed = ''
+let work = ''
 
 /** A command's standard output alone (its standard error may carry log lines); a failure throws. */
 function stdoutOf (command: string, args: string[], cwd: string): Promise<string> {
@@ -42,26 +32,13 @@ function stdoutOf (command: string, args: string[], cwd: string): Promise<string
   })
 }
 
-/** A command's stdout; a failure throws with its output. */
-async function run (command: string, args: string[], cwd: string): Promise<string> {
-  const finished = await exec(command, args, cwd)
-  if (finished.code !== 0) throw new Error(`${command} ${args.join(' ')} exited with ${finished.code}:\n${finished.output}`)
-  return finished.output
-}
-
 beforeAll(async () => {
-  mkdirSync(installed, { recursive: true })
-  if (process.env.PACKED_TARBALL !== undefined) {
-    tarball = resolve(process.env.PACKED_TARBALL)
-  } else {
-    await run('npm', ['pack', '--pack-destination', work], root)
-    tarball = join(work, readdirSync(work).find((name) => name.endsWith('.tgz'))!)
-  }
-  await run('tar', ['-xzf', tarball, '-C', installed, '--strip-components=1'], root)
-  writeFileSync(join(consumer, 'package.json'), JSON.stringify({ name: 'consumer', private: true }))
+  packed = await packedConsumer('package')
+  ;({ tarball, consumer, installed } = packed)
+  work = dirname(consumer)
 }, 180_000)
 
-afterAll(() => rmSync(work, { recursive: true, force: true }))
+afterAll(() => packed?.remove())
 
 const entries = {
   'fastify-idempotency': ['default', 'idempotency', 'MemoryStorage', 'IdempotencyFingerprintMismatchError', 'idempotencyErrorHandler', 'isIdempotencyError'],

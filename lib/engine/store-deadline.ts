@@ -8,6 +8,7 @@
  * `storeTimeout / 8` fails those past their deadline, so a call is given up between `storeTimeout`
  * and `9/8 × storeTimeout` after it began.
  */
+import { shareIdentity } from '../storage/error-identity.js'
 
 /** A store call that did not answer within `storeTimeout`. */
 export class StoreTimeoutError extends Error {
@@ -17,6 +18,7 @@ export class StoreTimeoutError extends Error {
     this.name = 'StoreTimeoutError'
   }
 }
+shareIdentity(StoreTimeoutError, 'StoreTimeoutError')
 
 interface Pending {
   deadline: number

@@ -28,6 +28,7 @@
  * apart (a Set and a Map both written `{}`), it throws IncomparableValueError instead.
  */
 import { hash } from 'node:crypto'
+import { shareIdentity } from '../storage/error-identity.js'
 
 /** Deeper than any real body: objects and arrays nested more than this many levels are refused. */
 export const MAX_DEPTH = 1000
@@ -40,6 +41,7 @@ export class BodyNestedTooDeeplyError extends Error {
     this.name = 'BodyNestedTooDeeplyError'
   }
 }
+shareIdentity(BodyNestedTooDeeplyError, 'BodyNestedTooDeeplyError')
 
 /**
  * A value of the server's making that has no canonical form, or that threw when read. `path` is

@@ -20,6 +20,7 @@ import { IncomingMessage } from 'node:http'
 import type { Readable } from 'node:stream'
 import type { FastifyRequest } from 'fastify'
 import { FingerprintValueError, isStream } from '../fingerprint/canonical-value.js'
+import { shareIdentity } from '../storage/error-identity.js'
 
 type Emit = Readable['emit']
 
@@ -233,3 +234,4 @@ export class BodyTooLargeError extends Error {
     this.name = 'BodyTooLargeError'
   }
 }
+shareIdentity(BodyTooLargeError, 'BodyTooLargeError')

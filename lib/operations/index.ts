@@ -17,6 +17,7 @@ import { toMilliseconds, type PluginSettings } from '../options.js'
 import type { IdempotencyStorage, StoredCompleted } from '../storage/types.js'
 import { Audit, type AuditLog, type Outcome } from './audit.js'
 import { fingerprintOptionsOf } from './fingerprint-options.js'
+import { shareIdentity } from '../storage/error-identity.js'
 
 /** What every operation may be told. */
 export interface OperationOptions {
@@ -116,6 +117,7 @@ export class IdempotencyOperationNotSupportedError extends Error {
     this.operation = operation
   }
 }
+shareIdentity(IdempotencyOperationNotSupportedError, 'IdempotencyOperationNotSupportedError')
 
 /** Leases read from the store, at most, before they are sorted and cut to `limit`. */
 const STORE_LISTING_LIMIT = 10_000

@@ -1,3 +1,5 @@
+import { shareIdentity } from './error-identity.js'
+
 /**
  * An error the stores raise themselves (beyond their drivers' own). The plugin meets it as the
  * `cause` of a 503 (`IdempotencyStoreUnavailableError`): the request is refused, the handler does
@@ -15,3 +17,4 @@ export class StoreContentionError extends Error {
     this.name = 'StoreContentionError'
   }
 }
+shareIdentity(StoreContentionError, 'StoreContentionError')

@@ -1,3 +1,5 @@
+import { shareIdentity } from './error-identity.js'
+
 /**
  * What a store throws from `begin` when the value under a key is one it cannot read: written in a
  * layout of another version (an older or a newer release), or damaged. The plugin answers 409
@@ -11,3 +13,4 @@ export class UnreadableEntryError extends Error {
     this.name = 'UnreadableEntryError'
   }
 }
+shareIdentity(UnreadableEntryError, 'UnreadableEntryError')

@@ -1,0 +1,62 @@
+/**
+ * The package loaded with require(), with import(), and with both at once (an app and one of its
+ * dependencies), from the packed tarball: what crosses its entry points keeps one meaning. The
+ * plugin (dist/index.*) and each store (dist/knex.*, dist/redis.*) are built apart, so each
+ * carries its own copy of the errors they share; an entry a store cannot read must still be a 409
+ * to the plugin of any format, never a store outage (503, or with failOpen a second run).
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { join } from 'node:path'
+import { mkdtempSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { exec, packedConsumer, root, type PackedConsumer } from './helpers/packed.js'
+import { REDIS, service } from './helpers/services.js'
+
+const fixtures = join(root, 'test', 'fixtures', 'module-formats')
+let packed: PackedConsumer
+const databases = mkdtempSync(join(tmpdir(), 'module-formats-'))
+
+beforeAll(async () => { packed = await packedConsumer('module-formats') }, 180_000)
+afterAll(() => {
+  packed?.remove()
+  rmSync(databases, { recursive: true, force: true })
+})
+
+let databaseCount = 0
+/** A fresh SQLite file: each child starts on an empty table. */
+const database = (): string => join(databases, `${++databaseCount}.sqlite`)
+
+const redis = await service(REDIS)
+const stores = [
+  { kind: 'knex', available: true, reason: '', target: database },
+  { kind: 'redis', ...redis, target: () => `redis://${REDIS.host}:${REDIS.port}` }
+]
+
+for (const { kind, available, reason, target } of stores) {
+  describe(`an entry the ${kind} store cannot read, through every module format${reason}`, () => {
+    const formats = [['require', 'require'], ['require', 'import'], ['import', 'require'], ['import', 'import']] as const
+    for (const [plugin, store] of formats) {
+      it.skipIf(!available)(`is refused with 409 and the handler not run again, plugin by ${plugin}(), store by ${store}(), with and without failOpen`, async () => {
+        const finished = await exec(process.execPath, [join(fixtures, 'unreadable.cjs'), target()], packed.consumer, { PLUGIN: plugin, STORE: store, KIND: kind })
+        expect(finished.code, finished.output).toBe(0)
+        const results = JSON.parse(finished.output.trim().split('\n').at(-1)!) as Record<string, { first: number, retry: number, type: string, runs: number, inspected: string }>
+        for (const failOpen of ['failOpen=false', 'failOpen=true']) {
+          expect(results[failOpen], failOpen).toEqual({
+            first: 200,
+            retry: 409,
+            type: expect.stringMatching(/#stored-response-unreadable$/),
+            runs: 1,
+            inspected: 'unreadable'
+          })
+        }
+      }, 60_000)
+    }
+  })
+}
+
+it('runs the conformance kit under require(), with node:test, against the CommonJS memory and knex stores', async () => {
+  const finished = await exec(process.execPath, [join(fixtures, 'conformance.cjs'), database()], packed.consumer)
+  expect(finished.output).toMatch(/^# fail 0$/m)
+  expect(finished.output).toMatch(/^# pass [1-9]\d+$/m)
+  expect(finished.code, finished.output).toBe(0)
+}, 60_000)
