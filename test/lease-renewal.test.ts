@@ -11,9 +11,9 @@ describe('LeaseRenewal', () => {
   beforeEach(() => { vi.useFakeTimers() })
   afterEach(() => { vi.useRealTimers() })
 
-  it('renews each held lease every lockTimeout/4, the first time within 3/8 of lockTimeout, and stops at drop', () => {
+  it('renews each held lease every lockTimeout/8, the first time within 3/16 of lockTimeout, and stops at drop', () => {
     const renewed: string[] = []
-    const renewal = new LeaseRenewal<TestLease>(800, Infinity, (l) => { renewed.push(`${l.name}@${Date.now() - 1_000_000}`) })
+    const renewal = new LeaseRenewal<TestLease>(1600, Infinity, (l) => { renewed.push(`${l.name}@${Date.now() - 1_000_000}`) })
     vi.setSystemTime(1_000_000)
     const a = lease('a')
     renewal.hold(a)
@@ -36,7 +36,7 @@ describe('LeaseRenewal', () => {
 
   it('keeps the list intact whichever lease is dropped, and tolerates a second drop', () => {
     const renewed: string[] = []
-    const renewal = new LeaseRenewal<TestLease>(400, Infinity, (l) => { renewed.push(l.name) })
+    const renewal = new LeaseRenewal<TestLease>(800, Infinity, (l) => { renewed.push(l.name) })
     const leases = ['a', 'b', 'c', 'd', 'e'].map(lease)
     for (const l of leases) renewal.hold(l)
     renewal.drop(leases[2]!) // middle
@@ -60,7 +60,7 @@ describe('LeaseRenewal', () => {
     const renewed: string[] = []
     const expired: string[] = []
     vi.setSystemTime(2_000_000)
-    const renewal = new LeaseRenewal<TestLease>(400, 1000, (l) => { renewed.push(`${l.name}@${Date.now() - 2_000_000}`) }, (l) => { expired.push(`${l.name}@${Date.now() - 2_000_000}`) })
+    const renewal = new LeaseRenewal<TestLease>(800, 1000, (l) => { renewed.push(`${l.name}@${Date.now() - 2_000_000}`) }, (l) => { expired.push(`${l.name}@${Date.now() - 2_000_000}`) })
     const a = lease('a')
     renewal.hold(a)
     vi.advanceTimersByTime(500)
@@ -79,14 +79,33 @@ describe('LeaseRenewal', () => {
   it('counts from when the call that took the lease was sent: held late, it is renewed at the first tick; inTime says when that is too late', () => {
     const renewed: string[] = []
     vi.setSystemTime(3_000_000)
-    const renewal = new LeaseRenewal<TestLease>(800, Infinity, (l) => { renewed.push(`${l.name}@${Date.now() - 3_000_000}`) })
-    // begin was sent at 0 and answered at 100 (lockTimeout / 8): still in time.
+    const renewal = new LeaseRenewal<TestLease>(1600, Infinity, (l) => { renewed.push(`${l.name}@${Date.now() - 3_000_000}`) })
+    // begin was sent at 0 and answered at 100 (lockTimeout / 16): still in time.
     vi.advanceTimersByTime(100)
     expect(renewal.inTime(3_000_000)).toBe(true)
     expect(renewal.inTime(2_999_999)).toBe(false)
     renewal.hold(lease('a'), 3_000_000)
     vi.advanceTimersByTime(200) // t = 300: the first tick, the lease 300 ms old
     expect(renewed).toEqual(['a@300'])
+    renewal.stop()
+  })
+  it('tells, for each lease it renews, of a tick that came late by half of lockTimeout or more: the event loop stalled', () => {
+    const stalls: string[] = []
+    const renewed: string[] = []
+    const renewal = new LeaseRenewal<TestLease>(800, Infinity, (l) => { renewed.push(l.name) }, () => {}, (l, stalledMs) => { stalls.push(`${l.name}:${stalledMs}`) })
+    const a = lease('a')
+    renewal.hold(a)
+    vi.advanceTimersByTime(100) // an on-time tick renews, and tells of no stall
+    expect(renewed).toEqual(['a'])
+    // A stall of 600 ms: timers are held back as a blocked event loop holds them.
+    const stalledUntil = performance.now() + 600
+    vi.spyOn(performance, 'now').mockImplementation(() => stalledUntil)
+    vi.advanceTimersByTime(100)
+    expect(renewed).toEqual(['a', 'a'])
+    expect(stalls).toHaveLength(1)
+    expect(stalls[0]).toMatch(/^a:\d+$/)
+    expect(Number(stalls[0]!.slice(2))).toBeGreaterThanOrEqual(400)
+    vi.restoreAllMocks()
     renewal.stop()
   })
 })

@@ -105,7 +105,7 @@ async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisi
       reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
       return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
     }
-    await waitForLease(engine, storageKey, Math.min(waitUntil, result.lockExpiresAt) - now, attempt)
+    await waitForLease(engine, storageKey, result.lockExpiresAt - now, waitUntil - now, attempt)
     if (engine.inFlight.closed) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
   }
 }
@@ -154,13 +154,27 @@ function retryAfter ({ durations }: RouteEngine, untilLeaseEnds: number): number
   return Math.max(MIN_RETRY_AFTER_MS, Math.min(untilLeaseEnds, durations.p90(FIRST_RETRY_AFTER_MS)))
 }
 
+/** The first pause between two asks of a waiting duplicate, doubled on each ask up to 16 times it. */
+const FIRST_PAUSE_MS = 25
+
 /**
- * Wait for the lease holder to finish: on the store's own signal where it has one, otherwise by
- * polling with a back-off (25 ms doubling to 400 ms) that keeps the store's load bounded.
+ * Wait for the lease holder to finish, at most until the wait's own end: on the store's own
+ * signal where it has one, otherwise by polling with a pause that grows with each ask (25 ms
+ * doubling to 400 ms), which keeps the store's load bounded.
+ *
+ * With a signal, one round lasts until the holder's lease ends as far as this process can tell,
+ * but never less than the pause nor more than `lockTimeout`. The lease's end is the store's clock,
+ * and this process's clock may disagree with it by any amount: ahead, every lease looks lapsed
+ * already, and asking again at once would poll the store in a tight loop (with a synchronous
+ * driver, starving this process's event loop, and with it the renewal of its own leases); behind,
+ * a lease looks far from its end, and the lapse of a holder that died (which nobody signals) would
+ * be noticed late. The pause bounds the first; `lockTimeout`, which no holder that stopped
+ * renewing can outlast, bounds the second.
  */
-async function waitForLease ({ storage, deadline }: RouteEngine, storageKey: string, timeout: number, attempt: number): Promise<void> {
-  if (timeout <= 0) return
+async function waitForLease ({ storage, deadline, settings }: RouteEngine, storageKey: string, untilLeaseEnds: number, untilWaitEnds: number, attempt: number): Promise<void> {
+  const pause = Math.min(FIRST_PAUSE_MS * 2 ** Math.min(attempt, 4), untilWaitEnds)
   if (storage.waitFor !== undefined) {
+    const timeout = Math.min(Math.max(untilLeaseEnds, pause), settings.lockTimeout, untilWaitEnds)
     try {
       // The wait itself may last `timeout`; the store's own part of it (subscribing) is bounded.
       await deadline.run('waitFor', () => storage.waitFor!(storageKey, timeout))
@@ -169,7 +183,7 @@ async function waitForLease ({ storage, deadline }: RouteEngine, storageKey: str
       // The store cannot wait right now (say, its subscriber connection is down): poll instead.
     }
   }
-  await sleep(Math.min(timeout, 25 * 2 ** Math.min(attempt, 4)))
+  await sleep(pause)
 }
 
 /**

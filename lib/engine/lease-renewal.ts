@@ -5,10 +5,17 @@
  * through fields on the leases themselves, so taking and dropping one is a few pointer writes: no
  * allocation, no hashing.
  *
- * The timer ticks every `lockTimeout / 4` while leases are held and stops on the first tick that
- * finds none. A tick renews each lease taken or renewed at least `lockTimeout / 8` before, so a
- * lease is first renewed at most 3/8 of `lockTimeout` after the call that took it was sent, then
- * every `lockTimeout / 4`: always well before it would lapse, with room for a late timer.
+ * The timer ticks every `lockTimeout / 8` while leases are held and stops on the first tick that
+ * finds none. A tick renews each lease taken or renewed at least `lockTimeout / 16` before, so a
+ * lease is first renewed at most 3/16 of `lockTimeout` after the call that took it was sent, then
+ * every `lockTimeout / 8`.
+ *
+ * That cadence is what lets a lease outlive a stalled event loop: no timer can fire while the loop
+ * is blocked (synchronous handler code, a long garbage collection, a process starved of CPU), and
+ * a lease renewed every `lockTimeout / 8` still has at least 7/8 of it left when a stall begins,
+ * so the tick that runs once the stall ends renews it in time. A tick that finds itself late by
+ * half of `lockTimeout` or more tells `stalled`: the leases it renews were at risk, and a longer
+ * stall would lose them.
  *
  * No lease is renewed past `maxHold` after it was acquired: the tick that finds it that old drops
  * it and hands it to `expire`, and the store lets it lapse within `lockTimeout`.
@@ -31,13 +38,19 @@ export class LeaseRenewal<Lease extends RenewedLease> {
   readonly #maxHold: number
   readonly #renew: (lease: Lease) => void
   readonly #expire: (lease: Lease) => void
+  readonly #stalled: (lease: Lease, stalledMs: number) => void
+  readonly #stallWarning: number
   #timer: NodeJS.Timeout | null = null
+  /** When the timer last ticked, or was started (performance.now(): a stall, not a clock change). */
+  #lastTick = 0
 
-  constructor (lockTimeout: number, maxHold: number, renew: (lease: Lease) => void, expire: (lease: Lease) => void = () => {}) {
-    this.#period = Math.max(1, Math.floor(lockTimeout / 4))
+  constructor (lockTimeout: number, maxHold: number, renew: (lease: Lease) => void, expire: (lease: Lease) => void = () => {}, stalled: (lease: Lease, stalledMs: number) => void = () => {}) {
+    this.#period = Math.max(1, Math.floor(lockTimeout / 8))
+    this.#stallWarning = lockTimeout / 2
     this.#maxHold = maxHold
     this.#renew = renew
     this.#expire = expire
+    this.#stalled = stalled
   }
 
   /**
@@ -53,6 +66,7 @@ export class LeaseRenewal<Lease extends RenewedLease> {
     if (this.#first !== null) this.#first.previousHeld = lease
     this.#first = lease
     if (this.#timer !== null) return
+    this.#lastTick = performance.now()
     this.#timer = setInterval(() => { this.#tick() }, this.#period)
     // Never what keeps a process alive: a lease outliving its process lapses, as it must.
     this.#timer.unref()
@@ -60,7 +74,7 @@ export class LeaseRenewal<Lease extends RenewedLease> {
 
   /**
    * Whether a lease measured from `since` and held from now is renewed in time: its first renewal
-   * is then sent within 3/8 of lockTimeout of `since`, as for any lease held at once. A lease taken
+   * is then sent within 3/16 of lockTimeout of `since`, as for any lease held at once. A lease taken
    * by a call that answered later than this must be renewed by its holder before it is relied on.
    */
   inTime (since: number): boolean {
@@ -92,6 +106,9 @@ export class LeaseRenewal<Lease extends RenewedLease> {
     }
     const now = Date.now()
     const due = now - this.#period / 2
+    const tickedAt = performance.now()
+    const stalledMs = tickedAt - this.#lastTick - this.#period
+    this.#lastTick = tickedAt
     for (let lease = this.#first as RenewedLease | null; lease !== null;) {
       const next = lease.nextHeld
       if (now - lease.acquiredAt >= this.#maxHold) {
@@ -100,6 +117,7 @@ export class LeaseRenewal<Lease extends RenewedLease> {
       } else if (lease.renewedAt <= due) {
         lease.renewedAt = now
         this.#renew(lease as Lease)
+        if (stalledMs >= this.#stallWarning) this.#stalled(lease as Lease, Math.round(stalledMs))
       }
       lease = next
     }

@@ -35,7 +35,8 @@ export function createRouteEngine (storage: IdempotencyStorage, settings: RouteS
   const deadline = new StoreDeadline(storage instanceof MemoryStorage ? 0 : settings.storeTimeout)
   const renewal = new LeaseRenewal<RequestState>(settings.lockTimeout, settings.maxLockHold,
     (state) => { renewLease(storage, settings, reporter, deadline, state) },
-    (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') })
+    (state) => { reporter.report(state, 'lease-lost', { phase: 'max-hold' }, 'warn', 'idempotency lease no longer renewed: the request has held its key for maxLockHold; it lapses within lockTimeout') },
+    (state, stalledMs) => { state.log.warn({ idempotencyKey: state.key, stalledMs, lockTimeout: settings.lockTimeout }, 'idempotency lease renewed late: the event loop was blocked for stalledMs; a stall longer than 7/8 of lockTimeout loses the lease, and a duplicate may then run') })
   return { storage, settings, reporter, renewal, durations: new HandlerDurations(), deadline, cipher, inFlight }
 }
 
