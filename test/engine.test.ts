@@ -220,7 +220,7 @@ describe('acquire', () => {
     const { state } = request()
     const started = Date.now()
     const acquisition = await ask(engine, state)
-    engine.deadline.stop()
+    engine.door.stop()
     expect(acquisition.outcome).toBe('refuse')
     expect((acquisition as Extract<Acquisition, { outcome: 'refuse' }>).error).toBeInstanceOf(IdempotencyStoreUnavailableError)
     expect(Date.now() - started).toBeGreaterThanOrEqual(35)

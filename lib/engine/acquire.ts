@@ -11,12 +11,11 @@ import {
   IdempotencyStoredResponseUnreadableError,
   type IdempotencyError
 } from '../errors.js'
-import type { StoredResponse, TransactionalStorage } from '../storage/types.js'
+import type { StoredResponse } from '../storage/types.js'
 import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal, type FingerprintComparison } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
-import { takeLease } from './take-lease.js'
 
 export type Acquisition =
   /** The request holds the lease: run the handler. */
@@ -65,13 +64,13 @@ function advance (state: RequestState, acquisition: Acquisition): Acquisition {
 }
 
 async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisition> {
-  const { settings, reporter } = engine
+  const { settings, reporter, door, renewal } = engine
   const { storageKey, fingerprint } = state
   const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
   for (let attempt = 0; ; attempt++) {
     let taken
     try {
-      taken = await takeLease(engine, storageKey, fingerprint)
+      taken = await door.begin(storageKey, fingerprint, (since) => renewal.inTime(since))
     } catch (error) {
       // A value the store cannot read records an operation that may have happened: never run again.
       if (error instanceof UnreadableEntryError) return unreadable(engine, state, error)
@@ -93,7 +92,7 @@ async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisi
         if (refused !== null) return refused
       }
       state.hold(result.token, acquiredAt)
-      engine.renewal.hold(state, taken.since)
+      renewal.hold(state, taken.since)
       return RUN
     }
     // A different request under this key is refused whether the first one finished or not.
@@ -114,14 +113,14 @@ async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisi
  * A lease granted after closing stopped waiting: the store is about to be closed, so the handler
  * must not start. The lease is given back at once.
  */
-async function closedMeanwhile ({ storage, deadline }: RouteEngine, state: RequestState, token: string): Promise<Acquisition> {
-  await deadline.run('release', () => storage.release(state.storageKey, token)).catch(() => {})
+async function closedMeanwhile ({ door }: RouteEngine, state: RequestState, token: string): Promise<Acquisition> {
+  await door.giveBack(state.storageKey, token)
   return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
 }
 
 /** Answer with the stored response, opened first when it is sealed (encryption). */
 function replay (engine: RouteEngine, state: RequestState, stored: StoredResponse): Acquisition {
-  const { cipher, reporter } = engine
+  const { door: { cipher }, reporter } = engine
   let response = stored
   if (cipher !== null) {
     try {
@@ -171,13 +170,12 @@ const FIRST_PAUSE_MS = 25
  * be noticed late. The pause bounds the first; `lockTimeout`, which no holder that stopped
  * renewing can outlast, bounds the second.
  */
-async function waitForLease ({ storage, deadline, settings }: RouteEngine, storageKey: string, untilLeaseEnds: number, untilWaitEnds: number, attempt: number): Promise<void> {
+async function waitForLease ({ door, settings }: RouteEngine, storageKey: string, untilLeaseEnds: number, untilWaitEnds: number, attempt: number): Promise<void> {
   const pause = Math.min(FIRST_PAUSE_MS * 2 ** Math.min(attempt, 4), untilWaitEnds)
-  if (storage.waitFor !== undefined) {
+  if (door.signals) {
     const timeout = Math.min(Math.max(untilLeaseEnds, pause), settings.lockTimeout, untilWaitEnds)
     try {
-      // The wait itself may last `timeout`; the store's own part of it (subscribing) is bounded.
-      await deadline.run('waitFor', () => storage.waitFor!(storageKey, timeout))
+      await door.waitFor(storageKey, timeout)
       return
     } catch {
       // The store cannot wait right now (say, its subscriber connection is down): poll instead.
@@ -192,13 +190,13 @@ async function waitForLease ({ storage, deadline, settings }: RouteEngine, stora
  * is open, the refusal when it could not be opened (the lease, `token`, is given back: the handler
  * never runs under it).
  */
-async function openTransaction ({ storage, reporter, deadline }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
+async function openTransaction ({ door, reporter }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
   try {
-    state.transaction = await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
+    state.transaction = await door.openTransaction()
     return null
   } catch (error) {
     reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')
-    await deadline.run('release', () => storage.release(state.storageKey, token)).catch(() => {})
+    await door.giveBack(state.storageKey, token)
     return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
   }
 }

@@ -12,6 +12,7 @@
  */
 import type { BeginAcquired, BeginCompleted, BeginInFlight } from '../storage/types.js'
 import type { RouteEngine } from './route-engine.js'
+import type { StoreDoor } from './store-door.js'
 
 /** What a step goes on with: its own lease, or the record (or lease) found at the earlier key, and the key it is under. */
 export interface StepRecord {
@@ -23,30 +24,31 @@ export interface StepRecord {
  * `acquired` is the lease just taken on `stepKey`. When the earlier key holds a record or a lease,
  * that lease is given back and the earlier key's state is what the step goes on with.
  */
-export async function orLegacyRecord ({ storage, settings, deadline }: RouteEngine, fingerprint: string, stepKey: string, acquired: BeginAcquired, legacyKey: string): Promise<StepRecord> {
+export async function orLegacyRecord ({ door }: RouteEngine, fingerprint: string, stepKey: string, acquired: BeginAcquired, legacyKey: string): Promise<StepRecord> {
   let found: BeginAcquired | BeginInFlight | BeginCompleted | null
   try {
-    found = await legacyState(storage, legacyKey, fingerprint, settings.lockTimeout, deadline)
+    found = await legacyState(door, legacyKey, fingerprint)
   } catch (error) {
-    await deadline.run('release', () => storage.release(stepKey, acquired.token)).catch(() => {})
+    await door.giveBack(stepKey, acquired.token)
     throw error
   }
   if (found === null) return { result: acquired, recordKey: stepKey }
-  await deadline.run('release', () => storage.release(stepKey, acquired.token)).catch(() => {})
+  await door.giveBack(stepKey, acquired.token)
   return { result: found, recordKey: legacyKey }
 }
 
 /** The earlier key's record or lease, or `null` when it holds neither (read without keeping a lease). */
-async function legacyState (storage: RouteEngine['storage'], legacyKey: string, fingerprint: string, lockTimeout: number, deadline: RouteEngine['deadline']): Promise<BeginInFlight | BeginCompleted | null> {
-  if (storage.inspect !== undefined) {
-    const found = await deadline.run('inspect', () => storage.inspect!(legacyKey))
+async function legacyState (door: StoreDoor, legacyKey: string, fingerprint: string): Promise<BeginInFlight | BeginCompleted | null> {
+  const inspected = door.inspect(legacyKey)
+  if (inspected !== null) {
+    const found = await inspected
     if (found.state === 'absent') return null
     if (found.state === 'in-flight') return { state: 'in-flight', fingerprint: found.fingerprint, lockExpiresAt: found.lockExpiresAt }
     return { state: 'completed', fingerprint: found.fingerprint, response: found.response }
   }
   // A store that cannot read without taking: take the earlier key's lease, and give it back.
-  const found = await deadline.run('begin', () => storage.begin(legacyKey, fingerprint, lockTimeout))
+  const found = await door.beginOnly(legacyKey, fingerprint)
   if (found.state !== 'acquired') return found
-  await deadline.run('release', () => storage.release(legacyKey, found.token)).catch(() => {})
+  await door.giveBack(legacyKey, found.token)
   return null
 }

@@ -81,7 +81,7 @@ export async function settle (engine: RouteEngine, state: RequestState, ending: 
  * its `redact` takes out what must not be kept, and with encryption it is sealed. `kept` is the
  * response as kept, before sealing (for events); `final` the ending with what goes to the store.
  */
-async function decide ({ settings, cipher }: RouteEngine, state: RequestState, ending: Ending): Promise<{ kept: StoredResponse | null, final: Ending }> {
+async function decide ({ settings, door: { cipher } }: RouteEngine, state: RequestState, ending: Ending): Promise<{ kept: StoredResponse | null, final: Ending }> {
   if (ending.kind === 'give-back') return { kept: null, final: ending }
   const { storeIf, redact } = state.callbacks
   // The route's storeIf sees the answer as sent, before redact takes anything out of it.
@@ -116,10 +116,10 @@ async function redacted (state: RequestState, redact: NonNullable<ResponseCallba
 }
 
 async function settleAlone (engine: RouteEngine, state: RequestState, ending: Ending): Promise<Settlement> {
-  const { storage, reporter, deadline } = engine
+  const { door, reporter } = engine
   if (ending.kind === 'give-back') {
     try {
-      await deadline.run('release', () => storage.release(state.storageKey, state.token))
+      await door.release(state.storageKey, state.token)
     } catch (error) {
       reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but the key stays locked until its lease lapses')
     }
@@ -136,8 +136,8 @@ async function settleAlone (engine: RouteEngine, state: RequestState, ending: En
 }
 
 /** Store `response`, within storeTimeout; a call given up that still succeeds marks the state. */
-function complete ({ storage, settings, deadline }: RouteEngine, state: RequestState, response: StoredResponse): Promise<boolean> {
-  return deadline.run('complete', () => storage.complete(state.storageKey, state.token, response, settings.expiration), (stored) => {
+function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse): Promise<boolean> {
+  return door.complete(state.storageKey, state.token, response, (stored) => {
     if (stored) state.storedLate = true
   })
 }
@@ -187,26 +187,26 @@ async function keepStoring (engine: RouteEngine, state: RequestState, { statusCo
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */
-async function settleTransaction ({ storage, settings, reporter, deadline }: RouteEngine, state: RequestState, transaction: StorageTransaction, ending: Ending): Promise<Settlement> {
+async function settleTransaction ({ door, reporter }: RouteEngine, state: RequestState, transaction: StorageTransaction, ending: Ending): Promise<Settlement> {
   const response = ending.kind === 'store' ? ending.response : null
   let reason: NotStoredReason | undefined = ending.kind === 'give-back' ? ending.reason : undefined
   try {
-    if (response !== null && await deadline.run('complete', () => transaction.complete(state.storageKey, state.token, response, settings.expiration))) {
-      await deadline.run('commit', () => transaction.commit())
+    if (response !== null && await door.completeIn(transaction, state.storageKey, state.token, response)) {
+      await door.commit(transaction)
     } else {
       if (response !== null) {
         reason = 'lease-lost'
         reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before commit: the transaction was rolled back')
       }
-      await deadline.run('rollback', () => transaction.rollback())
+      await door.rollback(transaction)
     }
   } catch (error) {
     reason = ending.kind === 'give-back' ? ending.reason : 'store-error'
     reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency transaction failed: rolled back')
-    await deadline.run('rollback', () => transaction.rollback()).catch(() => {})
+    await door.rollback(transaction).catch(() => {})
   }
   if (reason === undefined) return STORED
-  await deadline.run('release', () => storage.release(state.storageKey, state.token)).catch((error: unknown) => {
+  await door.release(state.storageKey, state.token).catch((error: unknown) => {
     reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency lease could not be released: the key stays locked until its lease lapses')
   })
   // An error answer rolled back is what the client expects, and so is one its route's storeIf

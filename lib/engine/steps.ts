@@ -17,13 +17,12 @@ import {
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError
 } from '../errors.js'
-import type { StorageTransaction, StoredResponse, TransactionalStorage } from '../storage/types.js'
+import type { StorageTransaction, StoredResponse } from '../storage/types.js'
 import { orLegacyRecord } from './legacy-steps.js'
 import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
-import { takeLease } from './take-lease.js'
 
 /** What a step's `fn` receives. */
 export interface StepContext {
@@ -92,8 +91,8 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   names.add(name)
   if (names.size > MAX_STEPS) throw new RangeError(`fastify-idempotency: a request may run at most ${MAX_STEPS} distinct steps`)
 
-  const { storage, settings } = engine
-  if (settings.transaction && (storage as TransactionalStorage).singleConnection === true) {
+  const { door, settings, renewal } = engine
+  if (settings.transaction && door.singleConnection) {
     throw new TypeError(`fastify-idempotency: step '${name}': recovery points in transaction mode need a database that serves a second connection beside the request's transaction (PostgreSQL, MySQL/MariaDB); SQLite has one`)
   }
   const recordHash = hash('sha256', `${state.storageKey}\n${name}`, 'base64url')
@@ -101,7 +100,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   let result
   let recordKey = stepKey
   try {
-    result = (await takeLease(engine, stepKey, state.fingerprint)).result
+    result = (await door.begin(stepKey, state.fingerprint, (since) => renewal.inTime(since))).result
     if (result.state === 'acquired') ({ result, recordKey } = await orLegacyRecord(engine, state.fingerprint, stepKey, result, STEP_KEY_PREFIX + recordHash))
   } catch (error) {
     throw error instanceof UnreadableEntryError ? new IdempotencyStoredResponseUnreadableError(state.key, error) : new IdempotencyStoreUnavailableError(state.key, error)
@@ -118,7 +117,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
 }
 
 /** A step that an earlier run completed: its recorded result, opened when sealed. */
-function recorded<T> ({ cipher, reporter }: RouteEngine, state: RequestState, name: string, stepKey: string, stored: StoredResponse): T {
+function recorded<T> ({ door: { cipher }, reporter }: RouteEngine, state: RequestState, name: string, stepKey: string, stored: StoredResponse): T {
   let value: T
   try {
     value = decode(cipher === null ? stored : cipher.open(stepKey, stored)) as T
@@ -136,11 +135,12 @@ function recorded<T> ({ cipher, reporter }: RouteEngine, state: RequestState, na
  * all stays), so the next run calls `fn` again at once.
  */
 async function record<T> (engine: RouteEngine, state: RequestState, name: string, step: { stepKey: string, token: string, key: string }, fn: StepFunction<T>): Promise<T> {
-  const { storage, settings, deadline, reporter, cipher } = engine
+  const { door, settings, reporter } = engine
+  const { cipher } = door
   const { stepKey, token } = step
-  const giveBack = async (): Promise<void> => { await deadline.run('release', () => storage.release(stepKey, token)).catch(() => {}) }
+  const giveBack = (): Promise<void> => door.giveBack(stepKey, token)
   let transaction: StorageTransaction | null = null
-  const rollBack = async (): Promise<void> => { if (transaction !== null) await deadline.run('rollback', () => transaction!.rollback()).catch(() => {}) }
+  const rollBack = async (): Promise<void> => { if (transaction !== null) await door.rollback(transaction).catch(() => {}) }
   let value: T
   let stored: StoredResponse
   try {
@@ -157,9 +157,9 @@ async function record<T> (engine: RouteEngine, state: RequestState, name: string
   let kept: boolean
   try {
     kept = transaction === null
-      ? await deadline.run('complete', () => storage.complete(stepKey, token, stored, settings.expiration))
-      : await deadline.run('complete', () => transaction!.complete(stepKey, token, stored, settings.expiration))
-    if (kept && transaction !== null) await deadline.run('commit', () => transaction!.commit())
+      ? await door.complete(stepKey, token, stored)
+      : await door.completeIn(transaction, stepKey, token, stored)
+    if (kept && transaction !== null) await door.commit(transaction)
   } catch (error) {
     await rollBack()
     await giveBack()
@@ -182,9 +182,9 @@ function downstreamKey (storageKey: string, name: string): string {
 }
 
 /** Transaction mode: the step's own transaction; refused like the request's when it cannot be opened. */
-async function openTransaction ({ storage, deadline }: RouteEngine, state: RequestState): Promise<StorageTransaction> {
+async function openTransaction ({ door }: RouteEngine, state: RequestState): Promise<StorageTransaction> {
   try {
-    return await deadline.run('transaction', () => (storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(() => {}) })
+    return await door.openTransaction()
   } catch (error) {
     throw new IdempotencyStoreUnavailableError(state.key, error)
   }

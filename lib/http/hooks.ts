@@ -17,7 +17,7 @@
 import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler, preValidationHookHandler } from 'fastify'
 import { acquire } from '../engine/acquire.js'
 import type { InFlight } from '../engine/in-flight.js'
-import { createRouteEngine } from '../engine/route-engine.js'
+import { createRouteEngine, stopRouteEngine } from '../engine/route-engine.js'
 import { storageKey } from '../engine/storage-key.js'
 import { IdempotencyKeyMissingError, isIdempotencyError } from '../errors.js'
 import type { PluginSettings, RouteSettings } from '../options.js'
@@ -61,7 +61,7 @@ export function createRouteHooks (plugin: PluginSettings, settings: RouteSetting
     preHandler: preHandlerHook(route),
     onSend: onSend as onSendHookHandler,
     onError,
-    stop: () => { engine.renewal.stop(); engine.deadline.stop() }
+    stop: () => { stopRouteEngine(engine) }
   }
 }
 
@@ -122,7 +122,7 @@ function preHandlerHook (route: GuardedRoute): preHandlerAsyncHookHandler {
     // Without a scope there is nothing to await: no promise on the path of every request.
     const scope = settings.scope === null ? null : await resolveScope(settings.scope, request, http.key, url)
     warnOfSharedKeys(route, request)
-    const acquisition = await acquire(engine, http.state, storageKey(http.key, scope, engine.cipher), fingerprinted.record, fingerprinted)
+    const acquisition = await acquire(engine, http.state, storageKey(http.key, scope, engine.door.cipher), fingerprinted.record, fingerprinted)
     switch (acquisition.outcome) {
       case 'run':
         run(reply, http)

@@ -1,0 +1,177 @@
+/**
+ * The engine's one way to the store: every call a guarded operation (a route's requests, a
+ * function run with `run`) makes to its store goes through here, bounded by `storeTimeout`, with
+ * the lease and expiry times and the cipher of that operation. What the protocol does (acquire,
+ * settle, steps) reads as the protocol alone; how a call is made safe is said once, here:
+ *
+ * - every call is bounded by the deadline (store-deadline.ts), and a store that throws instead of
+ *   rejecting is a rejection;
+ * - a lease granted to a call the engine gave up on, or granted too late to be relied on, is
+ *   given back or renewed first (`begin`);
+ * - a lease nothing will run under is given back fenced, and giving back never throws
+ *   (`giveBack`);
+ * - a transaction opened for a call given up on is rolled back (`openTransaction`).
+ *
+ * A store measures a lease from some moment after `begin` was sent: a lease taken by a call sent
+ * at `s` lasts at least until `s + lockTimeout`, and no longer may be assumed. A store may read
+ * its clock before a wait (MySQL and MariaDB do, for the INSERT of a new key that waits for a gap
+ * lock another transaction holds), and an answer may travel slowly. Renewal keeps a lease alive
+ * when it is held soon enough after `s`; a lease granted later than that is renewed here first,
+ * before anything runs under it, and one that lapsed meanwhile (a duplicate may have taken the
+ * key over and be running) is not used: the call fails as a store failure does.
+ */
+import type { ResponseCipher } from '../encryption.js'
+import { MemoryStorage } from '../storage/memory.js'
+import type { BeginResult, IdempotencyStorage, StorageTransaction, StoredResponse, StoredState, TransactionalStorage } from '../storage/types.js'
+import { StoreDeadline } from './store-deadline.js'
+
+/** `begin` granted a lease that had lapsed before it could be used. */
+export class LeaseLapsedError extends Error {
+  constructor (answeredAfter: number, lockTimeout: number) {
+    super(`fastify-idempotency: the store granted a lease ${answeredAfter} ms after begin was sent, and it lapsed before it could be used (lockTimeout ${lockTimeout} ms)`)
+    this.name = 'LeaseLapsedError'
+  }
+}
+
+export interface TakenLease {
+  result: BeginResult
+  /** When the store measures the lease from, at the earliest (epoch ms): where renewal counts from. */
+  since: number
+}
+
+/** The times a door's calls carry. */
+export interface DoorSettings {
+  /** Milliseconds each call may take; 0 bounds nothing. */
+  readonly storeTimeout: number
+  readonly lockTimeout: number
+  readonly expiration: number
+}
+
+const noop = (): void => {}
+
+export class StoreDoor {
+  readonly storage: IdempotencyStorage
+  /** Seals what is stored and opens what is replayed; `null` without encryption. */
+  readonly cipher: ResponseCipher | null
+  readonly #settings: DoorSettings
+  readonly #deadline: StoreDeadline
+
+  constructor (storage: IdempotencyStorage, settings: DoorSettings, cipher: ResponseCipher | null = null) {
+    this.storage = storage
+    this.cipher = cipher
+    this.#settings = settings
+    // The embedded store answers from this process's memory and cannot hang: nothing to bound.
+    this.#deadline = new StoreDeadline(storage instanceof MemoryStorage ? 0 : settings.storeTimeout)
+  }
+
+  /** The store's class name, for events and logs. */
+  get storeName (): string {
+    return this.storage.constructor.name
+  }
+
+  /** Whether the store signals the end of a lease (`waitFor`), so that waiting need not poll. */
+  get signals (): boolean {
+    return typeof this.storage.waitFor === 'function'
+  }
+
+  /**
+   * An open transaction holds the store's only connection (SQLite through knex): no other store
+   * call can run beside it.
+   */
+  get singleConnection (): boolean {
+    return (this.storage as Partial<TransactionalStorage>).singleConnection === true
+  }
+
+  /**
+   * Take the lease on `key` (or learn what holds it), so that the engine can rely on it: a lease
+   * granted to a call given up on is given back at once; one answered after `inTime` says renewal
+   * would reach it is renewed first, and refused (LeaseLapsedError) when it lapsed meanwhile.
+   */
+  async begin (key: string, fingerprint: string, inTime: (since: number) => boolean): Promise<TakenLease> {
+    const { lockTimeout } = this.#settings
+    const sentAt = Date.now()
+    const result = await this.#deadline.run('begin', () => this.storage.begin(key, fingerprint, lockTimeout), (late) => {
+      if (late.state === 'acquired') void this.giveBack(key, late.token)
+    })
+    if (result.state !== 'acquired' || inTime(sentAt)) return { result, since: sentAt }
+    const renewedAt = Date.now()
+    let held: boolean
+    try {
+      held = await this.renew(key, result.token)
+    } catch (error) {
+      // Also when given up on: a renewal that goes through later finds the lease released, or is
+      // followed by the release.
+      void this.giveBack(key, result.token)
+      throw error
+    }
+    if (!held) throw new LeaseLapsedError(renewedAt - sentAt, lockTimeout)
+    return { result, since: renewedAt }
+  }
+
+  /**
+   * Store `response` under the lease `token` holds: `false` when the lease was lost. A call given up
+   * on that still goes through tells `late`.
+   */
+  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop): Promise<boolean> {
+    return this.#deadline.run('complete', () => this.storage.complete(key, token, response, this.#settings.expiration), late)
+  }
+
+  /** Extend the lease `token` holds by `lockTimeout` from now: `false` when it was lost. */
+  renew (key: string, token: string): Promise<boolean> {
+    return this.#deadline.run('renew', () => this.storage.renew(key, token, this.#settings.lockTimeout))
+  }
+
+  /** Drop the lease `token` holds without storing anything; rejects when the store fails. */
+  release (key: string, token: string): Promise<boolean> {
+    return this.#deadline.run('release', () => this.storage.release(key, token))
+  }
+
+  /**
+   * Drop a lease nothing will run under, and never fail: fenced, so it never touches another
+   * holder's lease, and a lease the store could not drop lapses within `lockTimeout`.
+   */
+  async giveBack (key: string, token: string): Promise<void> {
+    await this.release(key, token).catch(noop)
+  }
+
+  /** Open a transaction (transaction mode); one opened for a call given up on is rolled back. */
+  openTransaction (): Promise<StorageTransaction> {
+    return this.#deadline.run('transaction', () => (this.storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(noop) })
+  }
+
+  /** Store `response` inside `transaction`, under the lease `token` holds: `false` when it was lost. */
+  completeIn (transaction: StorageTransaction, key: string, token: string, response: StoredResponse): Promise<boolean> {
+    return this.#deadline.run('complete', () => transaction.complete(key, token, response, this.#settings.expiration))
+  }
+
+  commit (transaction: StorageTransaction): Promise<void> {
+    return this.#deadline.run('commit', () => transaction.commit())
+  }
+
+  rollback (transaction: StorageTransaction): Promise<void> {
+    return this.#deadline.run('rollback', () => transaction.rollback())
+  }
+
+  /**
+   * Wait for the store's signal that the lease on `key` may have ended, at most `timeout` ms (the
+   * store's own part of it, subscribing, bounded by the deadline). Only when `signals`.
+   */
+  waitFor (key: string, timeout: number): Promise<void> {
+    return this.#deadline.run('waitFor', () => this.storage.waitFor!(key, timeout))
+  }
+
+  /** What `key` holds, read without taking it; `null` when the store cannot read without taking. */
+  inspect (key: string): Promise<StoredState> | null {
+    return this.storage.inspect === undefined ? null : this.#deadline.run('inspect', () => this.storage.inspect!(key))
+  }
+
+  /** `begin` without the lease's renewal: for a read of a key by a store without `inspect`. */
+  beginOnly (key: string, fingerprint: string): Promise<BeginResult> {
+    return this.#deadline.run('begin', () => this.storage.begin(key, fingerprint, this.#settings.lockTimeout))
+  }
+
+  /** Give up on every call pending (the server is closing). */
+  stop (): void {
+    this.#deadline.stop()
+  }
+}
