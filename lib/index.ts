@@ -8,7 +8,7 @@ import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext 
 import { InFlight } from './engine/in-flight.js'
 import { documentRoute } from './http/openapi.js'
 import { loggerAudit } from './operations/audit.js'
-import { KeyOperations, type IdempotencyOperations } from './operations/index.js'
+import { Idempotency, type IdempotencyApi } from './run/idempotency.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
 import { registerIn, routeName } from './http/registration.js'
 import { closeTimeoutOption, waitForRequestsOnClose } from './http/shutdown.js'
@@ -20,8 +20,12 @@ declare module 'fastify' {
     idempotency?: boolean | IdempotencyRouteOptions
   }
   interface FastifyInstance {
-    /** Operations on stored keys (inspect, forget, inFlight, purge): see docs/operations.md. The first registration in scope provides it. */
-    idempotency: IdempotencyOperations
+    /**
+     * `run`, the plugin's guarantees for any function (a job, a message, docs/jobs.md), and the
+     * operations on stored keys (inspect, forget, inFlight, purge, docs/operations.md). The first
+     * registration in scope provides it.
+     */
+    idempotency: IdempotencyApi
   }
   interface FastifyRequest {
     /** On a guarded route, for a request with an Idempotency-Key: its key and, in transaction mode, its transaction. Otherwise `null`. */
@@ -51,12 +55,15 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     fastify.decorateRequest(kState as unknown as string, null)
     fastify.decorateRequest('idempotency', null)
   }
-  if (!fastify.hasDecorator('idempotency')) fastify.decorate('idempotency', new KeyOperations(settings, loggerAudit(fastify.log)))
-
-  // Every guarded route's hooks, whose lease renewal stops when the server closes.
+  // Every guarded route's hooks (and `run`'s engines), whose timers stop when the server closes.
   const guarded: Array<{ stop: () => void }> = []
   const inFlight = new InFlight()
   waitForRequestsOnClose(fastify, inFlight, closeTimeout)
+  if (!fastify.hasDecorator('idempotency')) {
+    const api = new Idempotency(settings, loggerAudit(fastify.log), fastify.log, inFlight)
+    guarded.push(api)
+    fastify.decorate('idempotency', api)
+  }
 
   fastify.addHook('onRoute', function (routeOptions) {
     const config = routeOptions.config?.idempotency
@@ -108,6 +115,9 @@ export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from
 export type { FingerprintOptions } from './fingerprint/fingerprint.js'
 export type { IdempotencyRequestContext } from './http/hooks.js'
 export type { StepContext, StepFunction } from './engine/steps.js'
+export type { IdempotencyApi, RunOptions } from './run/idempotency.js'
+export type { RunContext, RunFunction } from './run/function-run.js'
+export type { ValueCodec } from './engine/value-codec.js'
 export {
   IdempotencyError,
   IdempotencyFingerprintError,
@@ -116,6 +126,7 @@ export {
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
+  IdempotencyResultNotRecordedError,
   IdempotencyScopeError,
   IdempotencyServerClosingError,
   IdempotencyStoreUnavailableError,

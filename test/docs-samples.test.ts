@@ -49,7 +49,8 @@ const ENTRY_POINTS: Record<string, string> = {
   'fastify-idempotency': 'lib/index.js',
   'fastify-idempotency/redis': 'lib/redis.js',
   'fastify-idempotency/knex': 'lib/knex.js',
-  'fastify-idempotency/conformance': 'lib/storage/conformance.js'
+  'fastify-idempotency/conformance': 'lib/storage/conformance.js',
+  'fastify-idempotency/standalone': 'lib/standalone.js'
 }
 
 interface Sample {

@@ -44,7 +44,8 @@ const entries = {
   'fastify-idempotency': ['default', 'idempotency', 'MemoryStorage', 'IdempotencyFingerprintMismatchError', 'idempotencyErrorHandler', 'isIdempotencyError'],
   'fastify-idempotency/redis': ['RedisStorage'],
   'fastify-idempotency/knex': ['KnexStorage', 'createIdempotencyTable', 'dropIdempotencyTable'],
-  'fastify-idempotency/conformance': ['storageConformance']
+  'fastify-idempotency/conformance': ['storageConformance'],
+  'fastify-idempotency/standalone': ['createIdempotency', 'MemoryStorage', 'IdempotencyResultNotRecordedError']
 }
 
 describe('the packed package', () => {

@@ -49,6 +49,12 @@ function post (server: ServerProcess, key: string, headers: Record<string, strin
   return postWithKey(`${server.url}/steps`, key, '{"amount":4200}', headers)
 }
 
+/** The same work as a job: `app.idempotency.run(key, body, fn)`, keyed by `x-job-key`. */
+async function runJob (server: ServerProcess, key: string, headers: Record<string, string> = {}, body = '{"amount":4200}'): Promise<{ status: number, body: string }> {
+  const res = await fetch(`${server.url}/run`, { method: 'POST', headers: { 'content-type': 'application/json', 'x-job-key': key, ...headers }, body })
+  return { status: res.status, body: await res.text() }
+}
+
 for (const { store, availability, env } of stores) {
   describe.skipIf(!availability.available)(`recovery points across processes on ${store}${availability.reason}`, () => {
     const namespace = `steps_${store}_${process.pid}_${Date.now()}`
@@ -88,6 +94,33 @@ for (const { store, availability, env } of stores) {
       const key = newKey('storm')
       const before = totalCalls()
       const answers = await Promise.all(Array.from({ length: 50 }, (_, i) => post(waiting[i % 2]!, key, { 'x-delay': '200' })))
+      expect(answers.every((a) => a.status === 201 && a.body === answers[0]!.body)).toBe(true)
+      expect(totalCalls()).toBe(before + 1)
+      expect(await effectCount(waiting[0]!, key)).toBe(1)
+    })
+
+    it('run(): after a SIGKILL between the two steps of a job, the job run again by another process runs the second step only', async () => {
+      const key = newKey('job-kill')
+      const before = totalCalls()
+      const [, victim, survivor] = servers as [ServerProcess, ServerProcess, ServerProcess]
+      const lost = runJob(victim, key, { 'x-hang': 'after-charge' }).catch(() => null)
+      await victim.hanging(key)
+      const killedAt = Date.now()
+      await victim.kill('SIGKILL')
+      expect(await lost).toBeNull()
+      await sleep(Math.max(0, LOCK_TIMEOUT - (Date.now() - killedAt)) + 300)
+      const retry = await runJob(survivor, key)
+      expect(retry.status).toBe(201)
+      expect(totalCalls()).toBe(before + 1)
+      expect(await effectCount(survivor, key)).toBe(1)
+      expect((await runJob(waiting[0]!, key)).body).toBe(retry.body)
+      expect((await runJob(waiting[0]!, key, {}, '{"amount":1}')).status).toBe(409)
+    })
+
+    it('run(): 40 simultaneous duplicates of a job over two processes in wait mode run it once and all get its result', async () => {
+      const key = newKey('job-storm')
+      const before = totalCalls()
+      const answers = await Promise.all(Array.from({ length: 40 }, (_, i) => runJob(waiting[i % 2]!, key, { 'x-delay': '200' })))
       expect(answers.every((a) => a.status === 201 && a.body === answers[0]!.body)).toBe(true)
       expect(totalCalls()).toBe(before + 1)
       expect(await effectCount(waiting[0]!, key)).toBe(1)

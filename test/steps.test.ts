@@ -158,7 +158,7 @@ describe('recovery points: bounds, events, misuse', () => {
   it.each([
     ['/many', 'at most 100 distinct steps'],
     ['/large', 'kept up to maxResponseBytes (100)'],
-    ['/function', 'JSON cannot hold'],
+    ['/function', 'a value that cannot be kept'],
     ['/unnamed', 'needs a name']
   ])('fails %s with a clear error', async (url, message) => {
     logged.length = 0

@@ -4,8 +4,15 @@
  */
 import { describe, expectTypeOf, it } from 'vitest'
 import Fastify, { type FastifyRequest, type RouteShorthandOptions } from 'fastify'
+import { createIdempotency, type StandaloneIdempotency } from '../lib/standalone.js'
 import idempotency, {
   idempotency as named,
+  IdempotencyResultNotRecordedError,
+  type IdempotencyApi,
+  type RunContext,
+  type RunFunction,
+  type RunOptions,
+  type ValueCodec,
   IdempotencyError,
   IdempotencyFingerprintMismatchError,
   IdempotencyFingerprintUnsupportedError,
@@ -203,6 +210,36 @@ describe('public types', () => {
     expectTypeOf<IdempotencyStorage['inspect']>().toEqualTypeOf<((key: string) => Promise<StoredState>) | undefined>()
     expectTypeOf(new WithOperations().forget).toEqualTypeOf<(key: string, options: StorageForgetOptions) => Promise<StorageForgetResult>>()
     expectTypeOf(IdempotencyOperationNotSupportedError).toBeConstructibleWith('inspect', 'Store', 'inspect')
+    await app.close()
+  })
+  it('types run: the result of the function, its context, its options, and the standalone entry', async () => {
+    const app = Fastify()
+    await app.register(idempotency)
+    const total = await app.idempotency.run('job-1', { ids: [1, 2] }, async (context: RunContext) => {
+      expectTypeOf(context.key).toEqualTypeOf<string>()
+      expectTypeOf(context.transaction).toEqualTypeOf<unknown>()
+      return await context.step('sum', () => 3n)
+    }, { scope: 'jobs', wait: true, expiration: '1h' })
+    expectTypeOf(total).toEqualTypeOf<bigint>()
+    const codec: ValueCodec<Date> = { serialize: (date) => date.toISOString(), deserialize: (data) => new Date(data.toString()) }
+    expectTypeOf(await app.idempotency.run('job-2', null, () => new Date(), { codec })).toEqualTypeOf<Date>()
+    // Type errors only, never called.
+    const wrong = async () => {
+      // @ts-expect-error: the codec's type is the function's result's
+      await app.idempotency.run('job-3', null, () => 'text', { codec })
+      // @ts-expect-error: HTTP-only options are not run's
+      await app.idempotency.run('job-4', null, () => 1, { headerName: 'x' })
+      // @ts-expect-error: HTTP-only options are not createIdempotency's
+      createIdempotency({ replayHeader: false })
+    }
+    expectTypeOf(wrong).toBeFunction()
+    const standalone: StandaloneIdempotency = createIdempotency({ storage: new MemoryStorage(), closeTimeout: '2s' })
+    expectTypeOf(standalone.run).toEqualTypeOf<IdempotencyApi['run']>()
+    expectTypeOf(standalone.close).returns.resolves.toBeVoid()
+    expectTypeOf<RunFunction<number>>().returns.toEqualTypeOf<number | Promise<number>>()
+    expectTypeOf<RunOptions['scope']>().toEqualTypeOf<string | null | undefined>()
+    expectTypeOf(new IdempotencyResultNotRecordedError('k', 'why', true).ranNow).toEqualTypeOf<boolean>()
+    await standalone.close()
     await app.close()
   })
 })

@@ -23,6 +23,7 @@ import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
+import { decodeValue, encodeValue } from './value-codec.js'
 
 /** What a step's `fn` receives. */
 export interface StepContext {
@@ -61,13 +62,6 @@ export function isStepRecordKey (key: string): boolean {
 /** Distinct steps one request may run: a loop that makes a step per item should batch them instead. */
 export const MAX_STEPS = 100
 const MAX_NAME_LENGTH = 200
-
-/** How a result is kept: the content type of the step's record says which encoding. */
-const ENCODING = {
-  json: 'application/vnd.fastify-idempotency.step+json',
-  bytes: 'application/vnd.fastify-idempotency.step+octet-stream',
-  none: 'application/vnd.fastify-idempotency.step+undefined'
-} as const
 
 export async function runStep<T> (engine: RouteEngine, state: RequestState, name: string, fn: StepFunction<T>): Promise<T> {
   if (typeof name !== 'string' || name.length === 0 || name.length > MAX_NAME_LENGTH) {
@@ -120,7 +114,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
 function recorded<T> ({ door: { cipher }, reporter }: RouteEngine, state: RequestState, name: string, stepKey: string, stored: StoredResponse): T {
   let value: T
   try {
-    value = decode(cipher === null ? stored : cipher.open(stepKey, stored)) as T
+    value = decodeValue(cipher === null ? stored : cipher.open(stepKey, stored)) as T
   } catch (error) {
     reporter.report(state, 'unreadable', { error, step: name }, 'error', `idempotency step '${name}' has a record that cannot be read: refused with 409`)
     throw new IdempotencyStoredResponseUnreadableError(state.key, error)
@@ -146,7 +140,7 @@ async function record<T> (engine: RouteEngine, state: RequestState, name: string
   try {
     if (settings.transaction) transaction = await openTransaction(engine, state)
     value = await fn({ key: step.key, transaction: transaction?.handle })
-    stored = encode(value, name, settings.maxResponseBytes)
+    stored = encodeValue(value, `step '${name}' returned`, settings.maxResponseBytes)
     if (cipher !== null) stored = cipher.seal(stepKey, stored)
   } catch (error) {
     // Not recorded: the next run calls `fn` again.
@@ -187,31 +181,5 @@ async function openTransaction ({ door }: RouteEngine, state: RequestState): Pro
     return await door.openTransaction()
   } catch (error) {
     throw new IdempotencyStoreUnavailableError(state.key, error)
-  }
-}
-
-function encode (value: unknown, name: string, limit: number): StoredResponse {
-  let record: StoredResponse
-  if (value === undefined) {
-    record = { statusCode: 200, contentType: ENCODING.none, headers: {}, body: Buffer.alloc(0) }
-  } else if (Buffer.isBuffer(value)) {
-    record = { statusCode: 200, contentType: ENCODING.bytes, headers: {}, body: value }
-  } else {
-    const json = JSON.stringify(value)
-    if (json === undefined) throw new TypeError(`fastify-idempotency: step '${name}' returned a value JSON cannot hold (${typeof value}): return JSON-serializable values or a Buffer`)
-    record = { statusCode: 200, contentType: ENCODING.json, headers: {}, body: Buffer.from(json) }
-  }
-  if (record.body.length > limit) {
-    throw new RangeError(`fastify-idempotency: step '${name}' returned ${record.body.length} bytes; a step's result is kept up to maxResponseBytes (${limit})`)
-  }
-  return record
-}
-
-function decode (record: StoredResponse): unknown {
-  switch (record.contentType) {
-    case ENCODING.none: return undefined
-    case ENCODING.bytes: return Buffer.from(record.body)
-    case ENCODING.json: return JSON.parse(record.body.toString())
-    default: throw new Error(`fastify-idempotency: a step record of an unknown kind (${String(record.contentType)})`)
   }
 }

@@ -27,10 +27,10 @@ export interface IdempotencyRequestContext {
    */
   readonly transaction: unknown
   /**
-   * A recovery point: run `fn` once for this key and record its result (JSON-serializable, or a
-   * Buffer). When the handler runs again for the same key and fingerprint after a run that stored
-   * no response, a step that completed returns its recorded result without calling `fn`. See
-   * docs/recovery-points.md.
+   * A recovery point: run `fn` once for this key and record its result (plain data, or what
+   * devalue keeps: BigInt, Date, Map, Set...; or a Buffer). When the handler runs again for the
+   * same key and fingerprint after a run that stored no response, a step that completed returns
+   * its recorded result without calling `fn`. See docs/recovery-points.md.
    */
   step: <T>(name: string, fn: StepFunction<T>) => Promise<T>
 }
