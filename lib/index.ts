@@ -166,7 +166,7 @@ export type {
 export { scopeByHeader } from './http/scope.js'
 export type { Scope } from './http/scope.js'
 export type { EncryptionOptions } from './encryption.js'
-export type { Redact, StoreIf } from './options.js'
+export type { KeySource, Redact, StoreIf } from './options.js'
 export { MemoryStorage } from './storage/memory.js'
 export { UnreadableEntryError } from './storage/unreadable-entry.js'
 export type { MemoryStorageOptions } from './storage/memory.js'

@@ -56,6 +56,7 @@ const routeSamples: { [K in keyof Required<IdempotencyRouteOptions>]: Sample<Ide
   waitTimeout: { options: { wait: true, waitTimeout: '3s' }, changes: ['waitTimeout'] },
   transaction: { options: { transaction: true }, changes: ['transaction'] },
   scope: { options: { scope }, changes: ['scope'] },
+  key: { options: { key: (request) => request.headers['webhook-id'] as string | undefined }, changes: ['key'] },
   redact: { options: { redact }, changes: ['redact'] },
   storeIf: { options: { storeIf }, changes: ['storeIf'] }
 }

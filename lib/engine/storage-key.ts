@@ -14,6 +14,7 @@
  * (`\u0000hmac:<base64url digest>`, see encryption.ts): the store learns neither key nor scope.
  */
 import { hash } from 'node:crypto'
+import { IdempotencyKeyInvalidError } from '../errors.js'
 
 /**
  * Longest storage key passed on unhashed, in UTF-8 bytes: every store of this package takes it
@@ -54,4 +55,19 @@ export function storageKeyParts (key: string): { key: string, scope: string | nu
   // The client's key never holds a line feed: the last one ends the scope.
   const end = key.lastIndexOf('\n')
   return end === -1 ? { key, scope: null } : { key: key.slice(end + 1), scope: key.slice(0, end) }
+}
+
+/** Printable ASCII (0x20-0x7E): what a key may hold, as an unquoted sf-string of the header may. */
+const PRINTABLE_KEY = /^[\x20-\x7E]+$/
+
+/**
+ * A key the application's code gives (to `run`, or from a route's `key` function): 1 to
+ * `maxLength` printable ASCII characters, as a key read from the header. `source` names where it
+ * came from in the refusal (IdempotencyKeyInvalidError, a 400 on a route).
+ */
+export function checkKey (key: unknown, maxLength: number, source: string): string {
+  if (typeof key !== 'string' || key.length === 0 || key.length > maxLength || !PRINTABLE_KEY.test(key)) {
+    throw new IdempotencyKeyInvalidError(`${source} must be 1 to ${maxLength} printable ASCII characters.`)
+  }
+  return key
 }

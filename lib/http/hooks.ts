@@ -18,7 +18,7 @@ import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, on
 import { acquire } from '../engine/acquire.js'
 import type { InFlight } from '../engine/in-flight.js'
 import { createRouteEngine, stopRouteEngine } from '../engine/route-engine.js'
-import { storageKey } from '../engine/storage-key.js'
+import { checkKey, storageKey } from '../engine/storage-key.js'
 import { IdempotencyKeyMissingError, isIdempotencyError } from '../errors.js'
 import type { PluginSettings, RouteSettings } from '../options.js'
 import { readIdempotencyKey } from './key.js'
@@ -75,7 +75,8 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
     }
     let key
     try {
-      key = readIdempotencyKey(request.headers[headerName], headerLabel, maxKeyLength)
+      // A route whose key comes from a function of its own reads it in preHandler.
+      key = settings.key === null ? readIdempotencyKey(request.headers[headerName], headerLabel, maxKeyLength) : PENDING_KEY
     } catch (error) {
       done(error as Error)
       return
@@ -91,6 +92,29 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
     guarded[kState] = http
     done()
   }
+}
+
+/** The key of a request whose route reads it from a function, until preHandler has. */
+const PENDING_KEY = ''
+
+/**
+ * preHandler of a route with a `key` function: the request's key, read after the route's own hooks
+ * (a webhook's signature check). Its state moves to the key; `null` when the request has none and
+ * the route does not require one: it passes through, unguarded.
+ */
+async function keyFromFunction (route: GuardedRoute, request: GuardedRequest, pending: HttpRequestState): Promise<HttpRequestState | null> {
+  const { plugin: { maxKeyLength }, settings, url } = route
+  const value = await settings.key!(request)
+  if (value === undefined || value === null) {
+    if (settings.required) throw new IdempotencyKeyMissingError(`key of route ${url}`)
+    request[kState] = null
+    request.idempotency = null
+    return null
+  }
+  const http = pending.withKey(checkKey(value, maxKeyLength, `The idempotency key of route ${url}`), request)
+  request[kState] = http
+  request.idempotency = http.context
+  return http
 }
 
 /** preValidation, on a route with a body schema: takes the body as it arrived, before validation changes it. */
@@ -113,7 +137,9 @@ function preValidationHook ({ settings, url }: GuardedRoute): preValidationHookH
 function preHandlerHook (route: GuardedRoute): preHandlerAsyncHookHandler {
   const { engine, plugin, settings, url } = route
   return async function preHandler (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | undefined> {
-    const http = (request as GuardedRequest)[kState]
+    const pending = (request as GuardedRequest)[kState]
+    if (pending === null) return undefined
+    const http = settings.key === null ? pending : await keyFromFunction(route, request as GuardedRequest, pending)
     if (http === null) return undefined
     // A body no parser made a value of (multipart in stream mode, a proxy's stream) counts by its raw bytes.
     if (http.rawBody === null && settings.fingerprint.body) http.rawBody = unparsedBodyHash(request, http.key, url)

@@ -9,7 +9,7 @@ import type { RouteOptions } from 'fastify'
 import type { PluginSettings, RouteSettings } from '../options.js'
 
 /** What documenting a route needs to know of its settings. */
-type DocumentedSettings = Pick<PluginSettings, 'headerName' | 'maxKeyLength' | 'replayHeader'> & Pick<RouteSettings, 'required' | 'mismatchStatusCode' | 'failOpen'>
+type DocumentedSettings = Pick<PluginSettings, 'headerName' | 'maxKeyLength' | 'replayHeader'> & Pick<RouteSettings, 'required' | 'mismatchStatusCode' | 'failOpen' | 'key'>
 
 type Schema = Record<string, unknown>
 
@@ -78,7 +78,8 @@ function withResponses (response: unknown, settings: DocumentedSettings): unknow
 /** Add how the route treats the key header to its schema, for @fastify/swagger to render. */
 export function documentRoute (routeOptions: RouteOptions, settings: DocumentedSettings): void {
   const schema: Schema = { ...routeOptions.schema }
-  schema.headers = withKeyHeader(schema.headers, settings)
+  // A route whose key comes from a function of its own (a webhook's event id) reads no key header.
+  if (settings.key === null) schema.headers = withKeyHeader(schema.headers, settings)
   schema.response = withResponses(schema.response, settings)
   routeOptions.schema = schema
 }

@@ -96,6 +96,18 @@ export class HttpRequestState implements ResponseCallbacks {
     this.state = new RequestState(key, request.method, request.log, this)
     this.context = new RequestContext(key, route.engine, this.state)
   }
+
+  /**
+   * This request's state under `key`, read by the route's `key` function once the route's own hooks
+   * have run: what was taken of the body before then (its raw bytes' hash, its value as it arrived)
+   * goes with it.
+   */
+  withKey (key: string, request: FastifyRequest): HttpRequestState {
+    const keyed = new HttpRequestState(this.route, request, key)
+    keyed.arrivedBody = this.arrivedBody
+    keyed.rawBody = this.rawBody
+    return keyed
+  }
 }
 
 export type GuardedRequest = FastifyRequest & { [kState]: HttpRequestState | null, idempotency: IdempotencyRequestContext | null }

@@ -112,6 +112,12 @@ export const routeFields = {
     options: { transaction: boolean },
     normalize: (options, context) => checkTransaction(options.transaction ?? false, context.storage, context.name)
   }),
+  /** Where the route's key comes from instead of the header; `null`: the header. */
+  key: routeField({
+    options: { key: anything },
+    check: (layer, context) => checkFunction(layer.key, 'key', context.name),
+    normalize: (options) => options.key ?? null
+  }),
   scope: routeField({
     options: { scope: anything },
     check: (layer, context) => checkFunction(layer.scope, 'scope', context.name),

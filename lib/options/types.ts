@@ -64,6 +64,13 @@ export interface IdempotencyRouteOptions {
   /** Namespace keys by caller (the signed-in user's id, say; `undefined`: none), so one never receives another's response. */
   scope?: Scope
   /**
+   * Where the key comes from, instead of the `Idempotency-Key` header: a function of the request
+   * (a webhook's event id: `(request) => request.headers['webhook-id']`, or a member of its body).
+   * It runs in `preHandler`, after the route's own hooks (a signature check, authentication), on a
+   * validated body; `undefined` or `null`: the request has no key. See docs/jobs.md#webhooks.
+   */
+  key?: KeySource
+  /**
    * Called with each response about to be stored (a copy); returns what to store instead: the
    * same response with secrets taken out, or with `bodyOmitted: true` to keep only its status and
    * headers. The client that caused it still gets the response in full; retries get what was
@@ -77,6 +84,8 @@ export interface IdempotencyRouteOptions {
   storeIf?: StoreIf
 }
 
+/** See `IdempotencyRouteOptions.key`. */
+export type KeySource = (request: FastifyRequest) => string | null | undefined | Promise<string | null | undefined>
 /** See `IdempotencyRouteOptions.redact`. */
 export type Redact = (response: StoredResponse, request: FastifyRequest) => StoredResponse | Promise<StoredResponse>
 /** See `IdempotencyRouteOptions.storeIf`. */

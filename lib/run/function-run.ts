@@ -18,10 +18,9 @@ import type { Logger } from '../engine/report.js'
 import type { RouteEngine } from '../engine/route-engine.js'
 import { settle } from '../engine/settle.js'
 import { runStep, type StepFunction } from '../engine/steps.js'
-import { storageKey } from '../engine/storage-key.js'
+import { checkKey, storageKey } from '../engine/storage-key.js'
 import { decodeValue, encodeValue, lostRecord, ValueLostError, ValueNotRecordableError, type ValueCodec } from '../engine/value-codec.js'
 import {
-  IdempotencyKeyInvalidError,
   IdempotencyResultNotRecordedError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError
@@ -46,15 +45,13 @@ export type RunFunction<T> = (context: RunContext) => T | Promise<T>
 
 /** The method name in events and logs: a function run is not an HTTP request. */
 const RUN_METHOD = 'RUN'
-/** Printable ASCII: what a key may hold, as for a request's key. */
-const KEY = /^[\x20-\x7E]+$/
 
 /**
  * Run `fn` once for `key` (in `scope`) and `input` on `engine`, or return what its first run kept.
  * `codec` is the caller's own way to keep results, if any.
  */
 export async function runFunction<T> (engine: RouteEngine, log: Logger, key: string, scope: string | null, input: unknown, fn: RunFunction<T>, maxKeyLength: number, codec?: ValueCodec<T>): Promise<T> {
-  checkKey(key, maxKeyLength)
+  checkKey(key, maxKeyLength, 'A key')
   if (typeof fn !== 'function') throw new TypeError('fastify-idempotency: run needs a function')
   const state = new RequestState(key, RUN_METHOD, log)
   const acquisition = await acquire(engine, state, storageKey(key, scope, engine.door.cipher), inputFingerprint(key, input))
@@ -63,12 +60,6 @@ export async function runFunction<T> (engine: RouteEngine, log: Logger, key: str
     case 'refuse': throw acquisition.error
     case 'unprotected': return await fn(contextOf(engine, state))
     case 'run': return await runHolding(engine, state, fn, codec)
-  }
-}
-
-function checkKey (key: unknown, maxLength: number): void {
-  if (typeof key !== 'string' || key.length === 0 || key.length > maxLength || !KEY.test(key)) {
-    throw new IdempotencyKeyInvalidError(`A key must be a string of 1 to ${maxLength} printable ASCII characters.`)
   }
 }
 
