@@ -12,13 +12,13 @@ export default defineConfig([{
   dts: false,
   clean: true,
   target: 'node20',
-  // structured-headers and devalue ship ESM only; bundling them keeps `require('fastify-idempotency')`
-  // working on every Node 20 release, not only those that can require() ES modules.
-  noExternal: ['structured-headers', 'devalue']
+  // devalue ships ESM only; bundling it keeps `require('fastify-idempotency')` working on every
+  // Node 20 release, not only those that can require() ES modules. (structured-headers ships both.)
+  noExternal: ['devalue']
 }, {
   // The command (package.json `bin`): ESM only, loaded by Node as the program; not an entry to import.
   entry: { cli: 'lib/cli/main.ts' },
   format: ['esm'],
   target: 'node20',
-  noExternal: ['structured-headers', 'devalue']
+  noExternal: ['devalue']
 }])

@@ -12,7 +12,10 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { execFile } from 'node:child_process'
 import { existsSync, readFileSync, readdirSync, statSync, writeFileSync } from 'node:fs'
+import { isBuiltin } from 'node:module'
 import { dirname, join, relative, resolve } from 'node:path'
+import semver from 'semver'
+import fastifyPackage from 'fastify/package.json' with { type: 'json' }
 import { anchorsOf, isExternal, linksOf } from './helpers/markdown.js'
 import { exec, packedConsumer, root, run, type PackedConsumer } from './helpers/packed.js'
 
@@ -57,6 +60,47 @@ describe('the packed package', () => {
     expect(files).toContain('package/README.md')
     expect(files).toContain('package/docs/errors.md')
     expect(files.some((file) => file.startsWith('package/test/') || file.startsWith('package/lib/'))).toBe(false)
+  })
+
+  it('ships its licence and the user\'s docs, and keeps what is for contributors in the repository', async () => {
+    const files = (await run('tar', ['-tzf', tarball], root)).split('\n').filter(Boolean)
+    expect(files).toContain('package/LICENSE')
+    expect(readFileSync(join(installed, 'LICENSE'), 'utf8')).toMatch(/^MIT License\n\nCopyright \(c\) \d{4} The fastify-idempotency contributors\n/)
+    expect(files).toContain('package/docs/benchmarks.md')
+    for (const contributors of ['package/docs/architecture.md', 'package/CONTRIBUTING.md']) expect(files).not.toContain(contributors)
+    expect(files.some((file) => /^package\/(bench|examples|scripts|\.ci)\//.test(file) || file.startsWith('package/dist/cli/'))).toBe(false)
+  })
+
+  it('names its repository, and its CHANGELOG has a section for its version', () => {
+    const pkg = JSON.parse(readFileSync(join(installed, 'package.json'), 'utf8')) as { version: string, repository: { url: string }, bugs: { url: string }, homepage: string }
+    const repository = 'github.com/fastify-idempotency/fastify-idempotency'
+    expect(pkg.repository.url).toBe(`git+https://${repository}.git`)
+    expect(pkg.bugs.url).toBe(`https://${repository}/issues`)
+    expect(pkg.homepage).toBe(`https://${repository}#readme`)
+    expect(readFileSync(join(installed, 'CHANGELOG.md'), 'utf8')).toMatch(new RegExp(`^## ${pkg.version.replace(/\./g, '\\.')}$`, 'm'))
+  })
+
+  it('depends at run time on what its build imports, and on nothing else; what it bundles is its own', () => {
+    const pkg = JSON.parse(readFileSync(join(installed, 'package.json'), 'utf8')) as { dependencies: Record<string, string>, peerDependencies: Record<string, string> }
+    const imported = new Set<string>()
+    for (const file of readdirSync(join(installed, 'dist'), { recursive: true, encoding: 'utf8' }).filter((name) => /\.c?js$/.test(name))) {
+      for (const [, specifier] of readFileSync(join(installed, 'dist', file), 'utf8').matchAll(/(?:\bfrom\s*|\bimport\s*\(\s*|\brequire\s*\(\s*)["']([^"'./][^"']*)["']/g)) {
+        const name = specifier!.startsWith('@') ? specifier!.split('/').slice(0, 2).join('/') : specifier!.split('/')[0]!
+        if (!isBuiltin(name)) imported.add(name)
+      }
+    }
+    expect([...imported].filter((name) => !(name in pkg.dependencies) && !(name in pkg.peerDependencies) && name !== 'fastify-idempotency')).toEqual([])
+    expect(Object.keys(pkg.dependencies).filter((name) => !imported.has(name))).toEqual([])
+  })
+
+  it('accepts, as a peer, every Fastify the README says it is tested with', () => {
+    const pkg = JSON.parse(readFileSync(join(installed, 'package.json'), 'utf8')) as { peerDependencies: Record<string, string> }
+    const row = readFileSync(join(installed, 'README.md'), 'utf8').split('\n').find((line) => line.startsWith('| Fastify |'))
+    // The table's last column: the versions the suite runs on.
+    const tested = [...(row?.split('|').at(-2) ?? '').matchAll(/\b\d+\.\d+\.\d+(?:-[\w.]+)?/g)].map(([version]) => version)
+    expect(tested.some((version) => semver.major(version) === 5)).toBe(true)
+    expect(tested.some((version) => semver.major(version) === 6)).toBe(true)
+    for (const version of [...tested, fastifyPackage.version]) expect(semver.satisfies(version, pkg.peerDependencies.fastify!), version).toBe(true)
   })
 
   it('loads every entry with import', async () => {
@@ -105,13 +149,13 @@ describe('the packed package', () => {
     expect(checked).toBeGreaterThan(100)
   })
 
-  it('passes publint and are-the-types-wrong (node16 from ESM and CJS, bundlers)', async () => {
+  it('passes publint and are-the-types-wrong (node10, node16 from ESM and CJS, bundlers)', async () => {
     const bin = (name: string) => join(root, 'node_modules', '.bin', name)
     await run(bin('publint'), ['--strict', installed], root)
-    const report = await run(bin('attw'), [tarball, '--profile', 'node16', '--format', 'json'], root)
-    // node10 resolution predates `exports` and cannot see subpath entries; Node 20+ users never use it.
-    const problems = (JSON.parse(report) as { analysis: { problems: Array<{ resolutionKind?: string }> } }).analysis.problems
-    expect(problems.filter((problem) => problem.resolutionKind !== 'node10')).toEqual([])
+    const report = await run(bin('attw'), [tarball, '--format', 'json'], root)
+    // node10 too: TypeScript 5 resolves so under `"module": "commonjs"` (NestJS's default), and
+    // finds the subpath entries' types through `typesVersions`.
+    expect((JSON.parse(report) as { analysis: { problems: unknown[] } }).analysis.problems).toEqual([])
   })
 
   it('ships the command as its bin, which loads a JavaScript or a TypeScript config module (through the project\'s tsx) and exits', async () => {
