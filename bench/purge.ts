@@ -3,7 +3,7 @@
  * WAL), a table holding 1,000,000 expired rows is purged while the plugin serves first requests
  * (a fresh key each, 20 connections) on the same store. It prints how long the purge took, and the
  * throughput and latency of the requests before and during it, and writes them to
- * bench/results/purge.json (git-ignored) for docs/benchmarks.md.
+ * bench/results/purge.json (git-ignored) for bench/analysis.md.
  *
  *   --rows N       expired rows to purge (default 1,000,000)
  *   --only a,b     only these databases (postgres, mariadb, sqlite)

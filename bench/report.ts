@@ -1,7 +1,7 @@
 /**
  * From runs to conclusions: medians per scenario and workload, ratios paired by round, the
  * performance targets, the comparison with the peers, and the outputs (latest.md, the SVG chart,
- * docs/benchmarks.md). Nothing here measures; everything here can be re-run on a saved
+ * docs/benchmarks.md, bench/REPORT.md). Nothing here measures; everything here can be re-run on a saved
  * latest.json (`npm run bench -- --report-only`).
  */
 import { existsSync, readFileSync } from 'node:fs'
@@ -442,51 +442,15 @@ export function chartSvg (results: BenchResults): string {
   return out.join('\n') + '\n'
 }
 
-// ---------------------------------------------------------------------------------- the doc page
+// --------------------------------------------------------------------------------- the doc pages
 
-export function benchmarksDoc (results: BenchResults, notesPath: string): string {
+/** The repository's copy of a file, for pages that ship in the package, where relative links would not resolve. */
+const REPOSITORY = 'https://github.com/fastify-idempotency/fastify-idempotency/blob/main'
+
+/** How a run is made: the same list on the user's page and in the report. */
+function method (results: BenchResults): string[] {
   const s = results.settings
-  const missed = results.bars.filter((b) => b.met === false)
-  const met = results.bars.filter((b) => b.met === true)
-  const peersBehind = results.peers.filter((p) => p.ahead === false)
-  const verdict = [
-    `Of the ${results.bars.length} performance targets, **${met.length} ${met.length === 1 ? 'is' : 'are'} met and ${missed.length} missed** in this run` +
-      (missed.length > 0 ? ` (missed: ${missed.map((b) => `${b.scenario} ${b.workload} at ${b.value?.toFixed(2)} against ${b.threshold.toFixed(2)}${b.clear ? '' : ', undecided'}`).join('; ')})` : '') +
-      (met.some((b) => !b.clear) ? `; of those met, ${met.filter((b) => !b.clear).map((b) => `${b.scenario} ${b.workload}`).join(', ')} within the noise` : '') + '.',
-    peersBehind.length === 0
-      ? `Against the peers: ahead on every workload they support (${results.peers.length} comparisons).`
-      : `Against the peers: **behind in ${peersBehind.length} of ${results.peers.length} comparisons** (${peersBehind.map((p) => `${p.peer} ${p.workload}`).join('; ')}).`
-  ]
-  const notes = existsSync(notesPath) ? readFileSync(notesPath, 'utf8').trim() : ''
   return [
-    '# Benchmarks',
-    '',
-    '![Throughput of each scenario relative to its floor or baseline](benchmark-chart.svg)',
-    '',
-    `*${settingsLine(results)}. Every figure of the run is in \`bench/results/latest.json\` of the repository's checkout where it ran.*`,
-    '',
-    ...verdict,
-    '',
-    conditions(results),
-    '',
-    '## Targets',
-    '',
-    'What the plugin aims at: each store against the least work any idempotency layer on it must do (its floor), evaluated on this run\'s medians. ' +
-      '"Within noise" for the unflagged route is taken as ' +
-      `at least ${(1 - NOISE_ALLOWANCE).toFixed(2)} of the bare route; a scenario that ran a handler twice or answered wrongly misses its target whatever its speed.`,
-    '',
-    barsTable(results),
-    '',
-    '## Against the peers',
-    '',
-    'Ours and each peer on the same store kind. REPLAY, NEW and MIXED compare each one\'s throughput over its own framework\'s bare route ' +
-      '(the Fastify peers share our baseline, so this is the same as comparing their req/s; express-idempotency is measured against Express\'s bare route); ' +
-      'CONFLICT compares req/s. A peer that ran a handler twice or answered wrongly is reported as incorrect, not as fast.',
-    '',
-    peersTable(results),
-    '',
-    '## How it is measured',
-    '',
     '- **Servers**: every scenario is its own Node process (`bench/server.ts`, started by `bench/run.ts` through tsx), listening on 127.0.0.1 on a free port, ' +
       'Fastify logging off. Each serves one route, `POST /orders`: a small JSON body in, `201` with a small JSON body out. ' +
       `The plugin is loaded from \`${s.source}/\`.`,
@@ -520,7 +484,102 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
       '(with `onResponse` called only for the request that was let through, which spares it a write on replays); `express-idempotency` with its default ' +
       'in-memory adapter on Express 5, the route checking `isHit(req)` first as its README says.',
     '- **The machine**: load generator, server, Redis, PostgreSQL and MariaDB share its cores, as they would on a small box; the ratios compare scenarios that pay the same tax. ' +
-      'Quick mode is for a fast look: its runs are short and its 3 rounds decide no target on their own; the targets are read on a full run.',
+      'Quick mode is for a fast look: its runs are short and its 3 rounds decide no target on their own; the targets are read on a full run.'
+  ]
+}
+
+function peersIntro (): string {
+  return 'Ours and each peer on the same store kind. REPLAY, NEW and MIXED compare each one\'s throughput over its own framework\'s bare route ' +
+    '(the Fastify peers share our baseline, so this is the same as comparing their req/s; express-idempotency is measured against Express\'s bare route); ' +
+    'CONFLICT compares req/s. A peer that ran a handler twice or answered wrongly is reported as incorrect, not as fast.'
+}
+
+const REPRODUCE = [
+  '```sh',
+  'npm run bench              # full: 8 rounds, about 16 minutes on 2 cores',
+  'npm run bench:purge        # purgeExpired of 1,000,000 expired rows per SQL database, under load',
+  'npm run bench:pg-statements  # PostgreSQL CPU per statement of the hot path, the store\'s and the floor\'s',
+  'npm run bench -- --quick   # 3 shorter rounds, 100,000 requests for the memory check: under 3 minutes',
+  'npm run bench:rate -- --scenarios bare,memory,memory-sealed --workload NEW  # server CPU per request at a fixed 10,000 req/s',
+  '```'
+]
+
+/** docs/benchmarks.md, shipped in the package: what the plugin costs a user, against the bare route and the peers. */
+export function benchmarksDoc (results: BenchResults): string {
+  return [
+    '# Benchmarks',
+    '',
+    '![Throughput of each scenario relative to its floor or baseline](benchmark-chart.svg)',
+    '',
+    `*${settingsLine(results)}.*`,
+    '',
+    conditions(results),
+    '',
+    '## Against the peers',
+    '',
+    peersIntro(),
+    '',
+    peersTable(results),
+    '',
+    '## How it is measured',
+    '',
+    ...method(results),
+    '',
+    '## Reproduce',
+    '',
+    'In a clone of the repository:',
+    '',
+    ...REPRODUCE,
+    '',
+    `The full report of this run (the performance targets, every figure, one key under many connections, a million keys in memory, and notes from profiling) is [bench/REPORT.md](${REPOSITORY}/bench/REPORT.md) in the repository; [bench/README.md](${REPOSITORY}/bench/README.md) has the options and how to profile.`,
+    ''
+  ].join('\n')
+}
+
+/** bench/REPORT.md, in the repository only: the run's every figure, its targets, and the notes from profiling. */
+export function reportDoc (results: BenchResults, notesPath: string): string {
+  const missed = results.bars.filter((b) => b.met === false)
+  const met = results.bars.filter((b) => b.met === true)
+  const peersBehind = results.peers.filter((p) => p.ahead === false)
+  const verdict = [
+    `Of the ${results.bars.length} performance targets, **${met.length} ${met.length === 1 ? 'is' : 'are'} met and ${missed.length} missed** in this run` +
+      (missed.length > 0 ? ` (missed: ${missed.map((b) => `${b.scenario} ${b.workload} at ${b.value?.toFixed(2)} against ${b.threshold.toFixed(2)}${b.clear ? '' : ', undecided'}`).join('; ')})` : '') +
+      (met.some((b) => !b.clear) ? `; of those met, ${met.filter((b) => !b.clear).map((b) => `${b.scenario} ${b.workload}`).join(', ')} within the noise` : '') + '.',
+    peersBehind.length === 0
+      ? `Against the peers: ahead on every workload they support (${results.peers.length} comparisons).`
+      : `Against the peers: **behind in ${peersBehind.length} of ${results.peers.length} comparisons** (${peersBehind.map((p) => `${p.peer} ${p.workload}`).join('; ')}).`
+  ]
+  const notes = existsSync(notesPath) ? readFileSync(notesPath, 'utf8').trim() : ''
+  return [
+    '# Benchmark report',
+    '',
+    'The full report of the last `npm run bench`: what [docs/benchmarks.md](../docs/benchmarks.md) shows users, with the performance targets, every figure and the notes from profiling ([analysis.md](analysis.md)).',
+    '',
+    '![Throughput of each scenario relative to its floor or baseline](../docs/benchmark-chart.svg)',
+    '',
+    `*${settingsLine(results)}. Every figure of the run is in \`bench/results/latest.json\` of the checkout where it ran.*`,
+    '',
+    ...verdict,
+    '',
+    conditions(results),
+    '',
+    '## Targets',
+    '',
+    'What the plugin aims at: each store against the least work any idempotency layer on it must do (its floor), evaluated on this run\'s medians. ' +
+      '"Within noise" for the unflagged route is taken as ' +
+      `at least ${(1 - NOISE_ALLOWANCE).toFixed(2)} of the bare route; a scenario that ran a handler twice or answered wrongly misses its target whatever its speed.`,
+    '',
+    barsTable(results),
+    '',
+    '## Against the peers',
+    '',
+    peersIntro(),
+    '',
+    peersTable(results),
+    '',
+    '## How it is measured',
+    '',
+    ...method(results),
     '',
     '## All figures',
     '',
@@ -537,15 +596,9 @@ export function benchmarksDoc (results: BenchResults, notesPath: string): string
     ...(notes === '' ? [] : ['## Notes from profiling', '', notes, '']),
     '## Reproduce',
     '',
-    '```sh',
-    'npm run bench              # full: 8 rounds, about 16 minutes on 2 cores',
-    'npm run bench:purge        # purgeExpired of 1,000,000 expired rows per SQL database, under load',
-    'npm run bench:pg-statements  # PostgreSQL CPU per statement of the hot path, the store\'s and the floor\'s',
-    'npm run bench -- --quick   # 3 shorter rounds, 100,000 requests for the memory check: under 3 minutes',
-    'npm run bench:rate -- --scenarios bare,memory,memory-sealed --workload NEW  # server CPU per request at a fixed 10,000 req/s',
-    '```',
+    ...REPRODUCE,
     '',
-    'In a clone of the repository. `bench/README.md` there has the options, profiling, and how to read the output.',
+    'See [README.md](README.md) for the options, profiling, and how to read the output.',
     ''
   ].join('\n')
 }

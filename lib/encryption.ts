@@ -238,7 +238,7 @@ class IvPool {
  * HMAC-SHA256 (RFC 2104) under one secret, as two one-shot hashes over pads derived once:
  * SHA-256((K ^ opad) || SHA-256((K ^ ipad) || message)). The same digest createHmac gives, without
  * the native HMAC context createHmac sets up on every call, which inside a busy server costs more
- * than both hashes (7.5 against 4.7 µs of server CPU per request, docs/benchmarks.md).
+ * than both hashes (7.5 against 4.7 µs of server CPU per request, bench/analysis.md).
  */
 class KeyedHash {
   static readonly #BLOCK = 64

@@ -40,7 +40,7 @@ export abstract class IdempotencyError extends Error {
   constructor (message: string, statusCode: number, idempotencyKey: string | undefined, headers: Record<string, string> = {}, options?: ErrorOptions) {
     // A 4xx reports the client's request, not a fault in code: its stack would only point into
     // the plugin's own hooks, and capturing one costs more than the rest of a refusal (6.5
-    // against 1.0 µs: docs/benchmarks.md#measurements-behind-the-design). A 503 keeps its stack.
+    // against 1.0 µs: bench/analysis.md#measurements-behind-the-design). A 503 keeps its stack.
     const stackTraceLimit = Error.stackTraceLimit
     if (statusCode < 500) Error.stackTraceLimit = 0
     try {

@@ -1,7 +1,7 @@
 /**
  * Keeps the leases of running handlers alive: one timer per route, not one per request (a timer
  * per request showed in the profile of first requests, and a Map of leases cost 0.5 to 0.7 µs per
- * request: docs/benchmarks.md#measurements-behind-the-design). Held leases form a linked list
+ * request: bench/analysis.md#measurements-behind-the-design). Held leases form a linked list
  * through fields on the leases themselves, so taking and dropping one is a few pointer writes: no
  * allocation, no hashing.
  *

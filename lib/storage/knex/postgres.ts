@@ -45,7 +45,7 @@ const notifying = (change: string): string => `WITH done AS (
 )
 SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?) END)::integer AS notified FROM done`
 // `storeResponse`, the hot one, is a plain UPDATE: wrapped in the same CTE as `giveBack`, first
-// requests measured 0.69 of their floor against 0.82 (docs/benchmarks.md, "KnexStorage on
+// requests measured 0.69 of their floor against 0.82 (bench/analysis.md, "KnexStorage on
 // PostgreSQL" under #where-the-cost-is-target-by-target). Its RETURNING says whether somebody waits;
 // only then does a second statement send the NOTIFY (in transaction mode, within the
 // transaction, so it is delivered at commit). A waiter that marked the row after the UPDATE finds

@@ -88,7 +88,7 @@ type Head = [statusCode: number, contentType: string | null, headers: StoredResp
  * The whole entry value, as the complete script stores it. A string when the body is valid UTF-8
  * (a JSON body always is): it encodes back to the same bytes, and ioredis writes a command of
  * strings in one piece, where a Buffer argument costs it several copies
- * (docs/benchmarks.md#measurements-behind-the-design). Any other body goes as bytes.
+ * (bench/analysis.md#measurements-behind-the-design). Any other body goes as bytes.
  */
 export function encodeEntry (fingerprint: string, response: StoredResponse, storedAt: number): string | Buffer {
   const head = JSON.stringify([response.statusCode, response.contentType, response.headers, response.bodyOmitted === true ? 1 : 0, storedAt] satisfies Head)

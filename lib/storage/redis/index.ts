@@ -24,7 +24,7 @@ export interface RedisStorageOptions {
  * `SET key <lease> PX <lockTimeout> NX GET`: it takes the lease when the key is free and otherwise
  * returns what is there, in one native command and one round trip, with no script. A replay then
  * costs what a GET costs, plus the lease value sent along (a hash read by a Lua script cost Redis
- * two to three times as much per replay: docs/benchmarks.md#measurements-behind-the-design).
+ * two to three times as much per replay: bench/analysis.md#measurements-behind-the-design).
  * The key's PX expiry is the lease while in flight and the entry's lifetime once completed, so
  * Redis drops both on time. Complete, release and renew are one script each, fenced by the
  * lease's token; a request waiting for the key marks the lease, and only then do complete and

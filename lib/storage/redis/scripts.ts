@@ -110,7 +110,7 @@ return {2, 0}
  * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Sent as plain commands
  * (commands.ts) rather than through ioredis's `defineCommand`, whose wrapper adds an extra
  * promise, a callback adapter and a rejection hook to every call (8.2 against 10.6 µs of client
- * CPU per call: docs/benchmarks.md#measurements-behind-the-design), and defines nothing on the
+ * CPU per call: bench/analysis.md#measurements-behind-the-design), and defines nothing on the
  * client.
  */
 class Script {
