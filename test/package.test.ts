@@ -16,6 +16,8 @@ import { isBuiltin } from 'node:module'
 import { dirname, join, relative, resolve } from 'node:path'
 import semver from 'semver'
 import fastifyPackage from 'fastify/package.json' with { type: 'json' }
+import type { Options } from 'tsup'
+import tsupConfig from '../tsup.config.js'
 import { anchorsOf, isExternal, linksOf } from './helpers/markdown.js'
 import { exec, packedConsumer, root, run, type PackedConsumer } from './helpers/packed.js'
 
@@ -80,7 +82,17 @@ describe('the packed package', () => {
     expect(readFileSync(join(installed, 'CHANGELOG.md'), 'utf8')).toMatch(new RegExp(`^## ${pkg.version.replace(/\./g, '\\.')}$`, 'm'))
   })
 
-  it('depends at run time on what its build imports, and on nothing else; what it bundles is its own', () => {
+  it('ships the licence of every package its build includes', () => {
+    const bundled = [...new Set((tsupConfig as Options[]).flatMap((options) => (options.noExternal ?? []).map(String)))]
+    expect(bundled.length).toBeGreaterThan(0)
+    const notices = readFileSync(join(installed, 'THIRD-PARTY-NOTICES.md'), 'utf8')
+    for (const name of bundled) {
+      expect(notices, name).toContain(`## ${name}\n`)
+      expect(notices, name).toContain(readFileSync(join(root, 'node_modules', name, 'LICENSE'), 'utf8'))
+    }
+  })
+
+  it('depends at run time on what its build imports, and on nothing else', () => {
     const pkg = JSON.parse(readFileSync(join(installed, 'package.json'), 'utf8')) as { dependencies: Record<string, string>, peerDependencies: Record<string, string> }
     const imported = new Set<string>()
     for (const file of readdirSync(join(installed, 'dist'), { recursive: true, encoding: 'utf8' }).filter((name) => /\.c?js$/.test(name))) {
