@@ -2,7 +2,7 @@
  * Turning what Fastify is about to send (the onSend payload and the reply's headers) into a
  * StoredResponse, without changing a byte of what the client receives.
  */
-import { pipeline, Readable, Transform } from 'node:stream'
+import { Readable } from 'node:stream'
 import type { ReadableStream as WebReadableStream } from 'node:stream/web'
 import type { FastifyReply } from 'fastify'
 import type { StoredResponse } from '../storage/types.js'
@@ -27,6 +27,11 @@ type HeaderValues = Record<string, number | string | string[] | undefined>
  */
 export function snapshotResponse (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
   return outcome(reply.statusCode, reply.getHeaders(), excludedHeaders, body)
+}
+
+/** An outcome taken with `snapshotResponse(..., null)`, now with its whole body. */
+export function withBody (head: StoredResponse, body: Buffer): StoredResponse {
+  return { statusCode: head.statusCode, contentType: head.contentType, headers: head.headers, body }
 }
 
 /**
@@ -82,34 +87,63 @@ function outcome (statusCode: number, all: HeaderValues, excludedHeaders: Readon
   return response
 }
 
-/** What a stream capture kept: the whole body, or nothing and why. */
-export type Captured = { body: Buffer } | { body: null, reason: 'too-large' | 'interrupted' }
+/**
+ * What a stream capture kept: the whole body, or nothing and why: `too-large` (it outgrew the
+ * limit), `failed` (the stream failed, or was destroyed before its end), `unfinished` (its client
+ * had gone and it did not end in the time it was given, see `StreamCapture.stop`).
+ */
+export type Captured = { body: Buffer } | { body: null, reason: 'too-large' | 'failed' | 'unfinished' }
 
 export interface StreamCapture {
   /** What to send instead of the source: the same bytes. */
-  readonly stream: Transform
+  readonly stream: Readable
   /**
    * Resolves once: with the whole body after the last chunk, or with `null` as soon as the body
-   * outgrows `maxBytes`, or when the stream fails or the client goes away.
+   * outgrows `maxBytes`, when the stream fails, or when `stop` is called.
    */
   readonly captured: Promise<Captured>
+  /**
+   * Resolves when the client went away before the end of the body (what was sent is destroyed):
+   * the source is still read, to its end, and kept up to `maxBytes`.
+   */
+  readonly clientGone: Promise<void>
   /** Hold the end of the response until `settled`: the store is up to date before the client sees the end. */
   holdEndUntil: (settled: Promise<unknown>) => void
+  /** Stop reading a source whose client has gone: it is destroyed, and `captured` says `unfinished`. */
+  stop: () => void
+}
+
+/** A chunk of a stream as bytes: Readable.from() of strings and web streams give strings and Uint8Arrays. */
+function chunkBytes (chunk: unknown): Buffer {
+  if (Buffer.isBuffer(chunk)) return chunk
+  if (typeof chunk === 'string') return Buffer.from(chunk)
+  if (chunk instanceof Uint8Array) return Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength)
+  throw new TypeError(`fastify-idempotency: a stream payload gave a chunk that is not bytes (${chunk === null ? 'null' : typeof chunk})`)
 }
 
 /**
  * Pass a stream through unchanged while keeping a copy of up to `maxBytes` of it. `length`: the
  * response's Content-Length, whose client has the whole answer with its last byte, before the end:
  * the chunk that completes it waits for the end's gate too.
+ *
+ * The source is read here, not piped to the client: when the client goes away (Fastify destroys
+ * what it was sending), the handler has done its work and is producing its answer, so the source
+ * is read on to its end and kept, and a retry replays it instead of running the handler again.
+ * Only a source whose copy can no longer be kept (it outgrew `maxBytes`, or `stop`) is destroyed
+ * once its client has gone, as Fastify destroys it without the plugin.
  */
 export function captureStream (source: Readable, maxBytes: number, length = Number.NaN): StreamCapture {
   let chunks: Buffer[] | null = []
   let size = 0
   let sent = 0
   let last: Buffer | undefined
+  let ended = false
+  let gone = false
   let resolveCaptured!: (captured: Captured) => void
   let done = false
   const captured = new Promise<Captured>((resolve) => { resolveCaptured = resolve })
+  let resolveGone!: () => void
+  const clientGone = new Promise<void>((resolve) => { resolveGone = resolve })
   const finish = (result: Captured): void => {
     if (done) return
     done = true
@@ -118,33 +152,78 @@ export function captureStream (source: Readable, maxBytes: number, length = Numb
   // Until told otherwise the end waits for the capture only; a settle that began mid-stream (the
   // body outgrew the limit) is waited for too, so a client retrying at once finds the key free.
   let gate: Promise<unknown> = captured
-  const tee = new Transform({
-    transform (chunk: Buffer, _encoding, callback) {
-      if (chunks !== null) {
-        size += chunk.length
-        if (size > maxBytes) {
-          chunks = null
-          finish({ body: null, reason: 'too-large' })
-        } else {
-          chunks.push(chunk)
-        }
-      }
-      sent += chunk.length
-      if (sent < length || Number.isNaN(length)) {
-        callback(null, chunk)
-        return
-      }
-      const held = last
-      last = chunk
-      callback(null, held)
-    },
-    flush (callback) {
-      finish(chunks === null ? { body: null, reason: 'too-large' } : { body: Buffer.concat(chunks, size) })
-      gate.then(() => callback(null, last), () => callback(null, last))
+  const out = new Readable({ read () { source.resume() } })
+  // The client sees the response cut only once the key is given back: a retry at once runs.
+  let failed = false
+  const fail = (error: Error): void => {
+    if (failed) return
+    failed = true
+    if (done) {
+      out.destroy(error)
+      return
     }
+    finish({ body: null, reason: 'failed' })
+    const cut = (): void => { out.destroy(error) }
+    gate.then(cut, cut)
+  }
+  source.on('data', (chunk: unknown) => {
+    let bytes: Buffer
+    try {
+      bytes = chunkBytes(chunk)
+    } catch (error) {
+      source.destroy(error as Error)
+      return
+    }
+    if (chunks !== null) {
+      size += bytes.length
+      if (size > maxBytes) {
+        chunks = null
+        finish({ body: null, reason: 'too-large' })
+        // Nobody reads it any more and nothing more of it can be kept.
+        if (gone) source.destroy()
+      } else {
+        chunks.push(bytes)
+      }
+    }
+    if (gone) return
+    sent += bytes.length
+    let next: Buffer | undefined = bytes
+    if (sent >= length) {
+      next = last
+      last = bytes
+    }
+    if (next !== undefined && !out.push(next)) source.pause()
   })
-  tee.once('close', () => { finish({ body: null, reason: 'interrupted' }) })
-  // pipeline carries a source error into `tee` and a destroyed `tee` (client gone) back to the source.
-  pipeline(source, tee, () => {})
-  return { stream: tee, captured, holdEndUntil: (settled) => { gate = settled } }
+  source.once('end', () => {
+    ended = true
+    finish(chunks === null ? { body: null, reason: 'too-large' } : { body: Buffer.concat(chunks, size) })
+    const close = (): void => {
+      if (out.destroyed) return
+      if (last !== undefined) out.push(last)
+      out.push(null)
+    }
+    gate.then(close, close)
+  })
+  source.once('error', fail)
+  source.once('close', () => { if (!ended) fail(new Error('fastify-idempotency: the stream payload was destroyed before its end')) })
+  out.once('close', () => {
+    if (ended || done) {
+      // Ended, or failed: nothing more to read. A source that outgrew the limit is not read on.
+      if (!ended && chunks === null) source.destroy()
+      return
+    }
+    gone = true
+    resolveGone()
+    source.resume()
+  })
+  return {
+    stream: out,
+    captured,
+    clientGone,
+    holdEndUntil: (settled) => { gate = settled },
+    stop: () => {
+      finish({ body: null, reason: 'unfinished' })
+      source.destroy()
+    }
+  }
 }

@@ -190,8 +190,10 @@ function run (reply: FastifyReply, http: HttpRequestState): void {
 /** The reply's 'close', while the handler may still be running. */
 function onClose (reply: FastifyReply, http: HttpRequestState): void {
   if (http.state.phase !== 'running') return
-  // Hijacked (or ended by hand): onSend will never run.
-  if (reply.sent) {
+  // Hijacked, ended by hand, or written by hand (@fastify/sse writes its events on reply.raw):
+  // onSend will never run for what was written. With its head out, the handler has answered, so
+  // its outcome is what it wrote, also when its client went away mid-body: kept, never run again.
+  if (reply.sent || reply.raw.headersSent) {
     settleHijacked(reply, http)
     return
   }

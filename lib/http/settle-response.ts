@@ -5,12 +5,13 @@
  * the client (transaction mode: its writes were rolled back) is then withheld as far as its
  * payload still allows (`withholdSuccess`).
  */
-import type { Readable, Transform } from 'node:stream'
+import type { Readable } from 'node:stream'
 import type { FastifyReply } from 'fastify'
 import { settle, type Ending } from '../engine/settle.js'
 import { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { RouteSettings } from '../options.js'
-import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, type Captured } from './capture.js'
+import type { StoredResponse } from '../storage/types.js'
+import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, withBody, type Captured } from './capture.js'
 import type { HttpRequestState } from './request-context.js'
 
 const NOT_MODIFIED = 304
@@ -40,7 +41,7 @@ export async function settleResponse (reply: FastifyReply, http: HttpRequestStat
   }
   const bytes = payloadBytes(payload)
   if (bytes !== null) {
-    await end(reply, http, bytes.length > settings.maxResponseBytes ? tooLarge(reply, http) : stored(reply, http, bytes), 'bytes')
+    await end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes), 'bytes')
     return payload
   }
   if (stream) return captured(reply, http, payload)
@@ -88,17 +89,33 @@ async function end (reply: FastifyReply, http: HttpRequestState, ending: Ending,
   if (!settlement.deliverable) withholdSuccess(reply, http.key, delivery)
 }
 
-/** A stream payload: passed on while its bytes are captured; it ends once the response is settled. */
-function captured (reply: FastifyReply, http: HttpRequestState, payload: Readable): Transform {
-  const capture = captureStream(payload, http.route.settings.maxResponseBytes, Number(reply.getHeader('content-length') ?? Number.NaN))
-  capture.holdEndUntil(capture.captured.then(async (result) => { await end(reply, http, streamEnding(reply, http, result), 'stream') }))
+/**
+ * A stream payload: passed on while its bytes are captured; it ends once the response is settled.
+ * Its head (status, headers) is taken now, as it is sent: what Fastify does with the reply later
+ * (its error handling of a payload whose client left answers 500 to nobody) is not the answer.
+ * A client that leaves mid-body does not end it: the handler did its work and is producing its
+ * answer, so the source is read on and kept (a retry gets 409 in progress meanwhile, then the
+ * replay). A source that has not ended `lockTimeout` after its client left is stopped, and its
+ * outcome kept without the body, as for one too large.
+ */
+function captured (reply: FastifyReply, http: HttpRequestState, payload: Readable): Readable {
+  const { maxResponseBytes, lockTimeout } = http.route.settings
+  const head = snapshotResponse(reply, http.route.plugin.excludedHeaders, null)
+  const capture = captureStream(payload, maxResponseBytes, Number(reply.getHeader('content-length') ?? Number.NaN))
+  void capture.clientGone.then(() => {
+    const timer = setTimeout(capture.stop, lockTimeout)
+    timer.unref()
+    void capture.captured.then(() => { clearTimeout(timer) })
+  })
+  capture.holdEndUntil(capture.captured.then(async (result) => { await end(reply, http, streamEnding(http, head, result), 'stream') }))
   return capture.stream
 }
 
-/** A stream that failed or whose client left mid-way is not an outcome: the key is freed. */
-function streamEnding (reply: FastifyReply, http: HttpRequestState, result: Captured): Ending {
-  if (result.body !== null) return stored(reply, http, result.body)
-  return result.reason === 'too-large' ? tooLarge(reply, http) : { kind: 'give-back', statusCode: reply.statusCode, reason: result.reason }
+/** A stream that failed is the handler's failure: the key is freed. One that could not be kept whole keeps its outcome. */
+function streamEnding (http: HttpRequestState, head: StoredResponse, result: Captured): Ending {
+  if (result.body !== null) return { kind: 'store', statusCode: head.statusCode, response: withBody(head, result.body) }
+  if (result.reason === 'failed') return { kind: 'give-back', statusCode: head.statusCode, reason: 'failed' }
+  return unkept(http, head, result.reason === 'unfinished' ? 'interrupted' : 'too-large')
 }
 
 function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): Ending {
@@ -106,14 +123,14 @@ function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): End
 }
 
 /**
- * A body that cannot be kept leaves its outcome (status and headers), unless the route frees the
- * key instead: a retry must not run the operation again because its answer was large.
+ * A body that cannot be kept leaves its outcome (`head`: status and headers), unless the route
+ * frees the key instead: a retry must not run the operation again because its answer was large,
+ * or because its client left before a stream ended.
  */
-function tooLarge (reply: FastifyReply, { route }: HttpRequestState): Ending {
-  const statusCode = reply.statusCode
+function unkept ({ route }: HttpRequestState, head: StoredResponse, reason: 'too-large' | 'interrupted'): Ending {
   return route.settings.keepUnstorable
-    ? { kind: 'store', statusCode, response: snapshotResponse(reply, route.plugin.excludedHeaders, null) }
-    : { kind: 'give-back', statusCode, reason: 'too-large' }
+    ? { kind: 'store', statusCode: head.statusCode, response: head }
+    : { kind: 'give-back', statusCode: head.statusCode, reason }
 }
 
 /**
