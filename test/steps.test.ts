@@ -157,13 +157,31 @@ describe('recovery points: bounds, events, misuse', () => {
 
   it.each([
     ['/many', 'at most 100 distinct steps'],
-    ['/large', 'kept up to maxResponseBytes (100)'],
-    ['/function', 'a value that cannot be kept'],
     ['/unnamed', 'needs a name']
   ])('fails %s with a clear error', async (url, message) => {
     logged.length = 0
     expect((await post(url, `${url}-k`)).statusCode).toBe(500)
     expect(logged.join('')).toContain(message)
+  })
+
+  it.each([
+    ['/large', 'kept up to maxResponseBytes (100)'],
+    ['/function', 'a value that cannot be kept']
+  ])('goes on with a result of %s that cannot be recorded, and logs why', async (url, message) => {
+    logged.length = 0
+    expect((await post(url, `${url}-k`)).statusCode).toBe(200)
+    expect(logged.join('')).toContain(message)
+    expect(logged.join('')).toContain('#result-not-recorded')
+  })
+
+  it('refuses a codec whose serialize or deserialize is not a function', async () => {
+    const local = Fastify()
+    await local.register(idempotency)
+    local.post('/bad', { config: { idempotency: true } }, async (request) => await request.idempotency!.step('s', () => 1, { serialize: 'json', deserialize: String } as never))
+    const res = await local.inject({ method: 'POST', url: '/bad', headers: { 'idempotency-key': 'bad-1' }, payload: {} })
+    expect(res.statusCode).toBe(500)
+    expect(res.json().message).toMatch(/a codec of serialize and deserialize functions/)
+    await local.close()
   })
 
   it('runs a step name once per run: the second call returns the first result', async () => {

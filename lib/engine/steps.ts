@@ -14,6 +14,7 @@
 import { hash } from 'node:crypto'
 import {
   IdempotencyRequestInProgressError,
+  IdempotencyResultNotRecordedError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError
 } from '../errors.js'
@@ -23,7 +24,7 @@ import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
-import { decodeValue, encodeValue } from './value-codec.js'
+import { decodeValue, encodeValue, lostRecord, ValueLostError, ValueNotRecordableError, type ValueCodec } from './value-codec.js'
 
 /** What a step's `fn` receives. */
 export interface StepContext {
@@ -63,11 +64,19 @@ export function isStepRecordKey (key: string): boolean {
 export const MAX_STEPS = 100
 const MAX_NAME_LENGTH = 200
 
-export async function runStep<T> (engine: RouteEngine, state: RequestState, name: string, fn: StepFunction<T>): Promise<T> {
+/**
+ * `codec`: how to keep a result the value codec cannot (an HTTP client's response, a class
+ * instance): its `serialize` writes what is recorded, its `deserialize` makes the result a later
+ * run returns. The run that called `fn` returns `fn`'s own result.
+ */
+export async function runStep<T> (engine: RouteEngine, state: RequestState, name: string, fn: StepFunction<T>, codec?: ValueCodec<T>): Promise<T> {
   if (typeof name !== 'string' || name.length === 0 || name.length > MAX_NAME_LENGTH) {
     throw new TypeError(`fastify-idempotency: a step needs a name of 1 to ${MAX_NAME_LENGTH} characters`)
   }
   if (typeof fn !== 'function') throw new TypeError(`fastify-idempotency: step '${name}' needs a function`)
+  if (codec !== undefined && (typeof codec?.serialize !== 'function' || typeof codec.deserialize !== 'function')) {
+    throw new TypeError(`fastify-idempotency: step '${name}': its third argument is a codec of serialize and deserialize functions`)
+  }
   const downstream = { key: downstreamKey(state.storageKey, name), transaction: undefined }
   switch (state.phase) {
     case 'running':
@@ -106,16 +115,24 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   if (result.state === 'in-flight') {
     throw new IdempotencyRequestInProgressError(state.key, Math.max(0.1, (result.lockExpiresAt - Date.now()) / 1000))
   }
-  if (result.state === 'completed') return recorded<T>(engine, state, name, recordKey, result.response)
-  return await record(engine, state, name, { stepKey, token: result.token, key: downstream.key }, fn)
+  if (result.state === 'completed') return recorded<T>(engine, state, name, recordKey, result.response, codec)
+  return await record(engine, state, name, { stepKey, token: result.token, key: downstream.key }, fn, codec)
 }
 
-/** A step that an earlier run completed: its recorded result, opened when sealed. */
-function recorded<T> ({ door: { cipher }, reporter }: RouteEngine, state: RequestState, name: string, stepKey: string, stored: StoredResponse): T {
+/**
+ * A step that an earlier run completed: its recorded result, opened when sealed. One that ran with
+ * its result lost is refused (409 #result-not-recorded): running it again could repeat its side
+ * effect, and going on without its result would hand the handler a wrong value.
+ */
+function recorded<T> ({ door: { cipher }, reporter }: RouteEngine, state: RequestState, name: string, stepKey: string, stored: StoredResponse, codec: ValueCodec<T> | undefined): T {
   let value: T
   try {
-    value = decodeValue(cipher === null ? stored : cipher.open(stepKey, stored)) as T
+    value = decodeValue(cipher === null ? stored : cipher.open(stepKey, stored), codec as ValueCodec | undefined) as T
   } catch (error) {
+    if (error instanceof ValueLostError) {
+      state.log.error({ idempotencyKey: state.key }, `idempotency step '${name}' ran in an earlier run, and its result could not be recorded (${error.reason}): refused with 409 #result-not-recorded rather than run again`)
+      throw new IdempotencyResultNotRecordedError(state.key, error.reason, false, error)
+    }
     reporter.report(state, 'unreadable', { error, step: name }, 'error', `idempotency step '${name}' has a record that cannot be read: refused with 409`)
     throw new IdempotencyStoredResponseUnreadableError(state.key, error)
   }
@@ -128,7 +145,7 @@ function recorded<T> ({ door: { cipher }, reporter }: RouteEngine, state: Reques
  * without a record, the record's lease is given back (fenced: a record that went through after
  * all stays), so the next run calls `fn` again at once.
  */
-async function record<T> (engine: RouteEngine, state: RequestState, name: string, step: { stepKey: string, token: string, key: string }, fn: StepFunction<T>): Promise<T> {
+async function record<T> (engine: RouteEngine, state: RequestState, name: string, step: { stepKey: string, token: string, key: string }, fn: StepFunction<T>, codec: ValueCodec<T> | undefined): Promise<T> {
   const { door, settings, reporter } = engine
   const { cipher } = door
   const { stepKey, token } = step
@@ -140,14 +157,14 @@ async function record<T> (engine: RouteEngine, state: RequestState, name: string
   try {
     if (settings.transaction) transaction = await openTransaction(engine, state)
     value = await fn({ key: step.key, transaction: transaction?.handle })
-    stored = encodeValue(value, `step '${name}' returned`, settings.maxResponseBytes)
-    if (cipher !== null) stored = cipher.seal(stepKey, stored)
   } catch (error) {
     // Not recorded: the next run calls `fn` again.
     await rollBack()
     await giveBack()
     throw error
   }
+  stored = recordOf(state, name, value, settings.maxResponseBytes, codec)
+  if (cipher !== null) stored = cipher.seal(stepKey, stored)
   let kept: boolean
   try {
     kept = transaction === null
@@ -168,6 +185,21 @@ async function record<T> (engine: RouteEngine, state: RequestState, name: string
   }
   reporter.report(state, 'step-run', { step: name })
   return value
+}
+
+/**
+ * What is recorded of a step's result: its record, or, when the result cannot be kept (a value
+ * the codec cannot write, one over maxResponseBytes), that the step ran with its result lost. The
+ * step has done its work either way: it is never run again for this key.
+ */
+function recordOf<T> (state: RequestState, name: string, value: T, limit: number, codec: ValueCodec<T> | undefined): StoredResponse {
+  try {
+    return encodeValue(value, `step '${name}' returned`, limit, codec as ValueCodec | undefined)
+  } catch (error) {
+    if (!(error instanceof ValueNotRecordableError)) throw error
+    state.log.error({ idempotencyKey: state.key }, `idempotency ${error.message}. The step ran: this run goes on with its result, and a later run of this key that reaches the step is refused (409 #result-not-recorded) rather than running it again. Give the step a codec: step(name, fn, { serialize, deserialize }) (docs/recovery-points.md)`)
+    return lostRecord(error.message)
+  }
 }
 
 /** The key `fn` passes downstream: derived apart from the step's storage key, never equal to it. */

@@ -9,6 +9,7 @@ import { RequestState } from '../engine/request-state.js'
 import type { ResponseCallbacks } from '../engine/route-callbacks.js'
 import type { RouteEngine } from '../engine/route-engine.js'
 import { runStep, type StepFunction } from '../engine/steps.js'
+import type { ValueCodec } from '../engine/value-codec.js'
 import type { ArrivedBody } from '../fingerprint/fingerprint.js'
 import type { PluginSettings, RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
@@ -30,9 +31,11 @@ export interface IdempotencyRequestContext {
    * A recovery point: run `fn` once for this key and record its result (plain data, or what
    * devalue keeps: BigInt, Date, Map, Set...; or a Buffer). When the handler runs again for the
    * same key and fingerprint after a run that stored no response, a step that completed returns
-   * its recorded result without calling `fn`. See docs/recovery-points.md.
+   * its recorded result without calling `fn`. `codec` keeps what devalue cannot. A step whose
+   * result could not be kept is never run again: a later run reaching it is refused (409
+   * #result-not-recorded). See docs/recovery-points.md.
    */
-  step: <T>(name: string, fn: StepFunction<T>) => Promise<T>
+  step: <T>(name: string, fn: StepFunction<T>, codec?: ValueCodec<T>) => Promise<T>
 }
 
 /** One guarded route: its engine and its settings, shared by its requests. */
@@ -59,8 +62,8 @@ class RequestContext implements IdempotencyRequestContext {
     this.#state = state
   }
 
-  async step<T> (name: string, fn: StepFunction<T>): Promise<T> {
-    return await runStep(this.#engine, this.#state, name, fn)
+  async step<T> (name: string, fn: StepFunction<T>, codec?: ValueCodec<T>): Promise<T> {
+    return await runStep(this.#engine, this.#state, name, fn, codec)
   }
 }
 
