@@ -164,6 +164,7 @@ export type {
   StoredInspection
 } from './operations/index.js'
 export { scopeByHeader } from './http/scope.js'
+export { NO_CALLER_SCOPE } from './engine/storage-key.js'
 export type { Scope } from './http/scope.js'
 export type { EncryptionOptions } from './encryption.js'
 export type { KeySource, Redact, StoreIf } from './options.js'

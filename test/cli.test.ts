@@ -434,6 +434,22 @@ describe('the command, in process', () => {
     await app.close()
   })
 
+  it('addresses the requests a scoped route got without a caller with --no-caller', async () => {
+    const app = Fastify()
+    await app.register(idempotency, { storage: memory, scope: (request) => request.headers['x-tenant'] as string | undefined })
+    app.post('/orders', { config: { idempotency: true } }, async () => ({ ok: true }))
+    await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': 'anon-1' }, payload: {} })
+    const inspected = await inProcess('inspect', 'anon-1', '--no-caller', '-c', 'memory.mjs')
+    expect(inspected.stdout).toMatch(/^scope +\(no caller\)$/m)
+    expect(inspected.stdout).toMatch(/^state +stored$/m)
+    expect((await inProcess('inspect', 'anon-1', '-s', 'none', '-c', 'memory.mjs')).code).toBe(3)
+    const both = await inProcess('inspect', 'anon-1', '--no-caller', '-s', 'none', '-c', 'memory.mjs')
+    expect([both.code, both.stderr]).toEqual([2, expect.stringContaining('--scope and --no-caller are two scopes')])
+    const forgot = await inProcess('forget', 'anon-1', '--no-caller', '-c', 'memory.mjs')
+    expect(forgot.stdout).toContain('forgotten: key "anon-1" (no caller)')
+    await app.close()
+  })
+
   it('says what the store does not support, with exit code 5', async () => {
     for (const name of ['inspect k', 'forget k', 'in-flight', 'purge']) {
       const result = await inProcess(...name.split(' '), '-c', 'bare.mjs')

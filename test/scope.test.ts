@@ -1,6 +1,10 @@
 import { describe, expect, it } from 'vitest'
-import type { FastifyRequest } from 'fastify'
-import { scopeByHeader } from '../lib/index.js'
+import Fastify, { type FastifyRequest } from 'fastify'
+import idempotency, { idempotencyErrorHandler, NO_CALLER_SCOPE, scopeByHeader, type IdempotencyStorage } from '../lib/index.js'
+import { newKey } from './helpers/app.js'
+import { postWithKey } from './helpers/http-client.js'
+import { servedOn } from './helpers/served.js'
+import { storeCases } from './helpers/stores.js'
 
 const request = (headers: Record<string, string | string[]>) => ({ headers }) as unknown as FastifyRequest
 
@@ -24,3 +28,74 @@ describe('scopeByHeader', () => {
     expect(() => scopeByHeader('')).toThrow(/header name/)
   })
 })
+
+/**
+ * The namespaces scopes make, over real HTTP on every store: a request without a caller and any
+ * value a scope may return (the former 'none' of requests without a caller, strings holding line
+ * feeds or the plugin's own markers) never share an entry.
+ */
+for (const store of await storeCases()) {
+  describe.skipIf(!store.available)(`scope namespaces on ${store.name}${store.reason}`, () => {
+    const scopes: Record<string, string | undefined> = {
+      anonymous: undefined,
+      none: 'none',
+      newline: '\n',
+      'ends-in-newline': 'a\n',
+      'holds-newline': 'a\nb',
+      'step-marker': '\u0000step:x',
+      'hash-marker': '\u0000sha256:x',
+      a: 'a'
+    }
+    let runs = 0
+    let shared: IdempotencyStorage
+    const served = servedOn(store, async (storage) => {
+      shared = storage
+      const app = Fastify()
+      await app.register(idempotency, { storage, scope: (request) => scopes[String(request.headers['x-caller'])] })
+      app.setErrorHandler(idempotencyErrorHandler())
+      app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+        reply.code(201)
+        return { run: ++runs, caller: request.headers['x-caller'] }
+      })
+      return { app }
+    })
+
+    it('keeps a request without a caller and every scope value apart: each runs once, and replays its own answer', async () => {
+      const key = newKey()
+      const first = new Map<string, string>()
+      for (const caller of Object.keys(scopes)) {
+        const answer = await postWithKey(`${served.url}/orders`, key, { sku: 'A1' }, { 'x-caller': caller })
+        expect([answer.status, answer.replayed], caller).toEqual([201, false])
+        first.set(caller, answer.body)
+      }
+      for (const caller of Object.keys(scopes)) {
+        const again = await postWithKey(`${served.url}/orders`, key, { sku: 'A1' }, { 'x-caller': caller })
+        expect([again.replayed, again.body], caller).toEqual([true, first.get(caller)])
+      }
+      expect(runs).toBe(Object.keys(scopes).length)
+    })
+
+    it('keeps a request without a caller on a scoped route apart from the same key on a route without a scope', async () => {
+      const app = Fastify()
+      await app.register(idempotency, { storage: shared })
+      let unscopedRuns = 0
+      app.post('/orders', { config: { idempotency: true } }, async () => ({ unscoped: ++unscopedRuns }))
+      const key = newKey()
+      await postWithKey(`${served.url}/orders`, key, { sku: 'A1' }, { 'x-caller': 'anonymous' })
+      const unscoped = await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { sku: 'A1' } })
+      expect(unscoped.headers['idempotent-replayed']).toBeUndefined()
+      expect(unscoped.json()).toEqual({ unscoped: 1 })
+      await app.close()
+    })
+
+    it('lets operators address the requests without a caller: scope NO_CALLER_SCOPE', async () => {
+      const key = newKey()
+      await postWithKey(`${served.url}/orders`, key, { sku: 'A1' }, { 'x-caller': 'anonymous' })
+      expect(await served.app.idempotency.inspect(key, { scope: 'none' })).toMatchObject({ state: 'absent' })
+      expect(await served.app.idempotency.inspect(key, { scope: NO_CALLER_SCOPE })).toMatchObject({ state: 'stored', scope: NO_CALLER_SCOPE, statusCode: 201 })
+      expect(await served.app.idempotency.forget(key, { scope: NO_CALLER_SCOPE })).toMatchObject({ outcome: 'forgotten', previous: 'stored' })
+      const again = await postWithKey(`${served.url}/orders`, key, { sku: 'A1' }, { 'x-caller': 'anonymous' })
+      expect(again.replayed).toBe(false)
+    })
+  })
+}

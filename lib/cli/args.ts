@@ -4,6 +4,7 @@
  * error, before anything is loaded).
  */
 import { parseArgs } from 'node:util'
+import { NO_CALLER_SCOPE } from '../engine/storage-key.js'
 
 export type CommandName = 'inspect' | 'forget' | 'in-flight' | 'purge'
 
@@ -39,6 +40,8 @@ Options:
   -c, --config <module>   a module whose default export is { storage, encryption? }, the options
                           the app registers the plugin with (or FASTIFY_IDEMPOTENCY_CONFIG)
   -s, --scope <scope>     the scope, as the app's scope(request) returns it for the client
+      --no-caller         the requests a scoped route got without a caller (its scope
+                          returned undefined or null), instead of --scope
       --body              inspect: print the stored body too
   -f, --force             forget: remove a key in flight too
       --older-than <age>  in-flight: held for longer than this (ms, or '30s', '5m', '1h')
@@ -55,6 +58,7 @@ const COMMANDS: readonly CommandName[] = ['inspect', 'forget', 'in-flight', 'pur
 /** The options only some commands take. */
 const ONLY: Record<string, readonly CommandName[]> = {
   scope: ['inspect', 'forget'],
+  'no-caller': ['inspect', 'forget'],
   body: ['inspect'],
   force: ['forget'],
   'older-than': ['in-flight'],
@@ -72,6 +76,7 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
       options: {
         config: { type: 'string', short: 'c' },
         scope: { type: 'string', short: 's' },
+        'no-caller': { type: 'boolean' },
         body: { type: 'boolean' },
         force: { type: 'boolean', short: 'f' },
         'older-than': { type: 'string' },
@@ -97,6 +102,8 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
   for (const [option, commands] of Object.entries(ONLY)) {
     if (values[option as keyof typeof values] !== undefined && !commands.includes(command)) throw new UsageError(`--${option} does not apply to ${command}`)
   }
+  if (values['no-caller'] === true && values.scope !== undefined) throw new UsageError('--scope and --no-caller are two scopes: give one')
+  const scope = values['no-caller'] === true ? NO_CALLER_SCOPE : values.scope
   const config = values.config ?? env.FASTIFY_IDEMPOTENCY_CONFIG
   if (config === undefined || config === '') throw new UsageError('--config is required (or FASTIFY_IDEMPOTENCY_CONFIG)')
   let limit: number | undefined
@@ -108,7 +115,7 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
     name: command,
     ...(takesKey ? { key } : {}),
     config,
-    ...(values.scope !== undefined ? { scope: values.scope } : {}),
+    ...(scope !== undefined ? { scope } : {}),
     body: values.body === true,
     force: values.force === true,
     ...(values['older-than'] !== undefined ? { olderThan: values['older-than'] } : {}),

@@ -3,6 +3,7 @@
  * asked for, as base64 in JSON; as text for people when it is UTF-8).
  */
 import { isUtf8 } from 'node:buffer'
+import { NO_CALLER_SCOPE } from '../engine/storage-key.js'
 import type { ForgetResult, HeldKey, InFlightListing, Inspection } from '../operations/index.js'
 
 /** `1h 2m`, `3m 4s`, `5.2s`, `120ms`: the two largest units. */
@@ -27,6 +28,11 @@ function at (ms: number | null, now: number): string {
 }
 
 /** A key for a terminal: JSON quoting shows a NUL, a line feed or a trailing space. */
+/** A scope as typed, or what stands for the requests without a caller. */
+function scopeShown (scope: string): string {
+  return scope === NO_CALLER_SCOPE ? '(no caller)' : shown(scope)
+}
+
 function shown (text: string): string {
   return /^[\x21-\x7e]+$/.test(text) ? text : JSON.stringify(text)
 }
@@ -38,7 +44,7 @@ function table (rows: Array<[string, string]>): string {
 
 export function inspection (result: Inspection, now: number): string {
   const rows: Array<[string, string]> = [['key', shown(result.key)]]
-  if (result.scope !== null) rows.push(['scope', shown(result.scope)])
+  if (result.scope !== null) rows.push(['scope', scopeShown(result.scope)])
   if (result.state === 'absent') return table([...rows, ['state', 'absent: nothing is held under this key']])
   if (result.state === 'in-flight') {
     rows.push(['state', 'in flight: a request holds the key'], ['since', at(result.since, now)], ['lease ends', at(result.lockExpiresAt, now)])
@@ -60,7 +66,7 @@ export function inspection (result: Inspection, now: number): string {
 }
 
 export function forgotten (result: ForgetResult, now: number): string {
-  const subject = `key ${JSON.stringify(result.key)}${result.scope === null ? '' : ` (scope ${JSON.stringify(result.scope)})`}`
+  const subject = `key ${JSON.stringify(result.key)}${result.scope === null ? '' : result.scope === NO_CALLER_SCOPE ? ' (no caller)' : ` (scope ${JSON.stringify(result.scope)})`}`
   if (result.outcome === 'refused') {
     return `refused: ${subject} is in flight, its lease ends ${at(result.lockExpiresAt, now)}. ` +
       '--force removes it: the running request then stores nothing, and a retry may run beside it.\n'
@@ -79,7 +85,7 @@ export function inFlight (result: InFlightListing, now: number): string {
   if (result.leases.length === 0) return `no keys in flight${more}\n`
   const rows = [['KEY', 'SCOPE', 'HELD', 'SINCE', 'LEASE ENDS'], ...result.leases.map((lease) => [
     keyOf(lease),
-    lease.scope === null ? '-' : shown(lease.scope),
+    lease.scope === null ? '-' : scopeShown(lease.scope),
     lease.heldMs === null ? 'unknown' : span(lease.heldMs),
     lease.since === null ? 'unknown' : new Date(lease.since).toISOString(),
     `in ${span(lease.lockExpiresAt - now)}`

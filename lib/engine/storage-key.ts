@@ -3,7 +3,8 @@
  * store) accepts whatever the plugin accepts.
  *
  * Without a scope it is the client's key itself (1 to `maxKeyLength` printable ASCII characters);
- * with one, `<scope>\n<key>` (a key never contains a line feed, so the last one separates the two).
+ * with one, `<scope>\n<key>` (a key never contains a line feed, so the last one separates the two);
+ * a request without a caller on a scoped route has the scope `NO_CALLER_SCOPE`, `\n<key>`.
  * A scope is the application's own string and may be long or not well-formed Unicode (a lone
  * surrogate, which UTF-8 cannot encode: two different scopes would become one). Such a key, or
  * one longer than MAX_STORAGE_KEY_BYTES in UTF-8, is replaced by a hash of it:
@@ -15,6 +16,15 @@
  */
 import { hash } from 'node:crypto'
 import { IdempotencyKeyInvalidError } from '../errors.js'
+
+/**
+ * The scope of requests with no caller (the route's scope returned `undefined` or `null`): the empty
+ * string, which no scope may return (it is refused as no caller's id, http/scope.ts). So no scope
+ * value shares its namespace, and no two scope values share one either: the storage key is
+ * `<scope>\n<key>`, and a key never holds a line feed. Operators address it the same way
+ * (`scope: ''`, the command's `--no-caller`).
+ */
+export const NO_CALLER_SCOPE = ''
 
 /**
  * Longest storage key passed on unhashed, in UTF-8 bytes: every store of this package takes it

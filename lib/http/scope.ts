@@ -6,6 +6,7 @@
  */
 import { hash } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
+import { NO_CALLER_SCOPE } from '../engine/storage-key.js'
 import { IdempotencyScopeError } from '../errors.js'
 
 /**
@@ -13,9 +14,6 @@ import { IdempotencyScopeError } from '../errors.js'
  * caller. Runs in `preHandler`, after the application's authentication hooks.
  */
 export type Scope = (request: FastifyRequest) => string | null | undefined | Promise<string | null | undefined>
-
-/** The scope of requests with no caller and no credentials: one shared namespace, unlike any hashed value. */
-const NO_CALLER = 'none'
 
 /**
  * Scope keys by a request header: its SHA-256, never its value. That is one scope per credential,
@@ -54,7 +52,8 @@ function describe (value: unknown): string {
 }
 
 /**
- * The request's scope. A request with no caller shares the namespace of callers without one,
+ * The request's scope. A request with no caller shares the namespace of callers without one
+ * (`NO_CALLER_SCOPE`, which no value a scope returns can equal: an empty one is refused below),
  * unless it carries credentials: then its scope failed to read them (a cookie-authenticated caller
  * on a route scoped by the Authorization header, a token the authentication hook did not accept),
  * and sharing would hand it another caller's response: refused with 500 #scope-unresolved, logged
@@ -67,7 +66,7 @@ export async function resolveScope (scope: Scope, request: FastifyRequest, key: 
   let problem
   if (value === undefined || value === null) {
     const credentials = credentialsOf(request)
-    if (credentials === '') return NO_CALLER
+    if (credentials === '') return NO_CALLER_SCOPE
     problem = `found no caller in a request that carries credentials (${credentials}): sharing the namespace of callers without one would hand it another caller's response. Scope by the signed-in principal, read after your authentication hook (scope: (request) => request.user?.id), and make sure that hook refuses credentials it does not accept`
   } else {
     problem = `returned ${describe(value)}: a scope returns the caller's id as a non-empty string, or undefined for a request with no caller`

@@ -10,7 +10,7 @@
 import type { IdempotencyOperation, IdempotencyOperationEvent } from '../diagnostics.js'
 import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { isStepRecordKey, stepRecordPrefix } from '../engine/steps.js'
-import { storageKey, storageKeyParts } from '../engine/storage-key.js'
+import { NO_CALLER_SCOPE, storageKey, storageKeyParts } from '../engine/storage-key.js'
 import type { FingerprintOptions } from '../fingerprint/fingerprint.js'
 import { readIdempotencyKey } from '../http/key.js'
 import { toMilliseconds, type PluginSettings } from '../options.js'
@@ -26,7 +26,11 @@ export interface OperationOptions {
 }
 
 export interface KeyOptions extends OperationOptions {
-  /** The scope, as the app's `scope(request)` returns it for the client; omit it when the app has none. */
+  /**
+   * The scope, as the app's `scope(request)` returns it for the client; omit it when the app has
+   * none. `''` (NO_CALLER_SCOPE) is the requests a scoped route got without a caller (its scope
+   * returned `undefined` or `null`).
+   */
   scope?: string | null
 }
 
@@ -273,5 +277,5 @@ function fingerprintInfo (fingerprint: string): FingerprintInfo {
 
 /** ` of key "k" (scope "s")`, for the audit line. */
 function describe (ref: KeyRef): string {
-  return ` of key ${JSON.stringify(ref.key)}${ref.scope === null ? '' : ` (scope ${JSON.stringify(ref.scope)})`}`
+  return ` of key ${JSON.stringify(ref.key)}${ref.scope === null ? '' : ref.scope === NO_CALLER_SCOPE ? ' (no caller)' : ` (scope ${JSON.stringify(ref.scope)})`}`
 }
