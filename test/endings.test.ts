@@ -6,13 +6,16 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { request as httpRequest } from 'node:http'
+import { connect as connectHttp2, constants as http2Constants } from 'node:http2'
 import { Readable } from 'node:stream'
 import { ReadableStream } from 'node:stream/web'
 import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify'
+import fastifyCompress from '@fastify/compress'
 import { fastifySSE } from '@fastify/sse'
 import idempotency, { channels, idempotencyErrorHandler, type IdempotencyEvent } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
 import { postWithKey } from './helpers/http-client.js'
+import { http2Post } from './helpers/http2.js'
 import { storeCases } from './helpers/stores.js'
 
 const cases = await storeCases()
@@ -156,6 +159,12 @@ for (const store of cases) {
         for await (const chunk of made.chunks()) reply.raw.write(chunk)
         reply.raw.end()
       })
+      app.post('/raw-writes-after-client-gone', guarded, async (request, reply) => {
+        const made = start('/raw-writes-after-client-gone', request, reply)
+        await made.clientGone
+        reply.raw.writeHead(201, { 'content-type': 'text/csv' })
+        reply.raw.end(made.whole)
+      })
       app.post('/hijacked', guarded, async (request, reply) => {
         const made = start('/hijacked', request, reply)
         reply.hijack()
@@ -205,21 +214,40 @@ for (const store of cases) {
       expect(runs.get('/stream-after-client-gone')).toBe(1)
     })
 
-    it('stream, handler fails while it streams: the client gets a cut response, the key is released before it; a retry runs', async () => {
+    it('raw writes, client gone before the head: the outcome the handler wrote when it ends the response is stored; a retry gets it', async () => {
       const key = newKey()
       const made = production(key)
-      made.failing = true
       const settled = executed(key)
-      const res = await fetch(url + '/node-stream', { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
-      expect(res.status).toBe(201)
-      made.open()
-      await expect(res.text()).rejects.toThrow()
-      expect(await settled).toMatchObject({ stored: false, reason: 'failed' })
-      made.failing = false
-      const retry = await postWithKey(url + '/node-stream', key)
-      expect([retry.status, retry.replayed, retry.body]).toEqual([201, false, made.whole])
-      expect(runs.get('/node-stream')).toBeGreaterThanOrEqual(2)
+      const { hostname, port } = new URL(url)
+      const req = httpRequest({ host: hostname, port, method: 'POST', path: '/raw-writes-after-client-gone', headers: { 'content-type': 'application/json', 'idempotency-key': key } })
+      req.on('error', () => {})
+      req.end('{}')
+      await made.entered
+      req.destroy()
+      expect(await settled).toMatchObject({ stored: true, bodyOmitted: true })
+      const retry = await postWithKey(url + '/raw-writes-after-client-gone', key)
+      expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, ''])
+      expect(runs.get('/raw-writes-after-client-gone')).toBe(1)
     })
+
+    for (const path of ['/node-stream', '/web-stream', '/response']) {
+      it(`${path.slice(1)}, handler fails while it streams: the client gets a cut response, the key is released before it; a retry runs`, async () => {
+        const key = newKey()
+        const made = production(key)
+        made.failing = true
+        const settled = executed(key)
+        const res = await fetch(url + path, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
+        expect(res.status).toBe(201)
+        made.open()
+        await expect(res.text()).rejects.toThrow()
+        expect(await settled).toMatchObject({ stored: false, reason: 'failed' })
+        made.failing = false
+        const before = runs.get(path)!
+        const retry = await postWithKey(url + path, key)
+        expect([retry.status, retry.replayed, retry.body]).toEqual([201, false, made.whole])
+        expect(runs.get(path)).toBe(before + 1)
+      })
+    }
 
     it('stream that does not end within lockTimeout of its client going: stopped, its outcome stored without the body', async () => {
       const key = newKey()
@@ -266,3 +294,78 @@ for (const store of cases) {
     }
   })
 }
+
+/**
+ * The same promise where something else stands between the handler and the client: an HTTP/2
+ * client that cancels its stream mid-body (RST_STREAM, not a closed socket), and @fastify/compress,
+ * whose gzip stream is the payload the plugin reads. The store sees the same calls as above.
+ */
+describe('streams whose client leaves, through HTTP/2 and @fastify/compress', () => {
+  it('HTTP/2 stream cancelled by its client while reading: read to its end and stored; a retry on the same connection gets 409, then the whole body', async () => {
+    const app = Fastify({ http2: true })
+    await app.register(idempotency)
+    let runs = 0
+    const made = new Production()
+    app.post('/export', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      made.watch(reply as unknown as FastifyReply)
+      reply.code(201).type('text/csv')
+      return Readable.from(made.chunks())
+    })
+    const url = await app.listen({ host: '127.0.0.1', port: 0 })
+    const session = connectHttp2(url)
+    try {
+      const key = newKey()
+      const settled = executed(key)
+      const headers = { 'content-type': 'application/json', 'idempotency-key': key }
+      const first = session.request({ ':method': 'POST', ':path': '/export', ...headers })
+      first.end('{}')
+      await new Promise<void>((resolve) => first.once('data', () => { first.close(http2Constants.NGHTTP2_CANCEL); resolve() }))
+      await made.clientGone
+      expect((await http2Post(session, '/export', headers, '{}')).status).toBe(409)
+      made.open()
+      expect(await settled).toMatchObject({ stored: true })
+      const retry = await http2Post(session, '/export', headers, '{}')
+      expect([retry.status, retry.body.toString()]).toEqual([201, made.whole])
+      expect(retry.headers).toContainEqual(['idempotent-replayed', 'true'])
+      expect(runs).toBe(1)
+    } finally {
+      session.close()
+      await app.close()
+    }
+  })
+
+  it('gzip stream of @fastify/compress, client gone before the body: the compressed body is stored, and replayed as sent', async () => {
+    const app = Fastify()
+    await app.register(fastifyCompress, { threshold: 0 })
+    await app.register(idempotency)
+    let runs = 0
+    const made = new Production()
+    made.open()
+    app.post('/export', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      made.watch(reply)
+      await made.clientGone
+      reply.code(201).type('text/csv')
+      return Readable.from(made.chunks())
+    })
+    const url = await app.listen({ host: '127.0.0.1', port: 0 })
+    try {
+      const key = newKey()
+      const settled = executed(key)
+      const { hostname, port } = new URL(url)
+      const req = httpRequest({ host: hostname, port, method: 'POST', path: '/export', headers: { 'content-type': 'application/json', 'idempotency-key': key, 'accept-encoding': 'gzip' } })
+      req.on('error', () => {})
+      req.end('{}')
+      await made.entered
+      req.destroy()
+      expect(await settled).toMatchObject({ stored: true })
+      const retry = await postWithKey(`${url}/export`, key, {}, { 'accept-encoding': 'gzip' })
+      expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, made.whole])
+      expect(retry.headers.get('content-encoding')).toBe('gzip')
+      expect(runs).toBe(1)
+    } finally {
+      await app.close()
+    }
+  })
+})

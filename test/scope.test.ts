@@ -1,7 +1,9 @@
 import { describe, expect, it } from 'vitest'
 import Fastify, { type FastifyRequest } from 'fastify'
 import idempotency, { idempotencyErrorHandler, NO_CALLER_SCOPE, scopeByHeader, type IdempotencyStorage } from '../lib/index.js'
+import { storageKey } from '../lib/engine/storage-key.js'
 import { newKey } from './helpers/app.js'
+import { Gate } from './helpers/gate.js'
 import { postWithKey } from './helpers/http-client.js'
 import { servedOn } from './helpers/served.js'
 import { storeCases } from './helpers/stores.js'
@@ -47,6 +49,8 @@ for (const store of await storeCases()) {
       a: 'a'
     }
     let runs = 0
+    /** Holds the next request in its handler. */
+    let holding: Gate | null = null
     let shared: IdempotencyStorage
     const served = servedOn(store, async (storage) => {
       shared = storage
@@ -54,6 +58,9 @@ for (const store of await storeCases()) {
       await app.register(idempotency, { storage, scope: (request) => scopes[String(request.headers['x-caller'])] })
       app.setErrorHandler(idempotencyErrorHandler())
       app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+        const gate = holding
+        holding = null
+        await gate?.hold()
         reply.code(201)
         return { run: ++runs, caller: request.headers['x-caller'] }
       })
@@ -86,6 +93,17 @@ for (const store of await storeCases()) {
       expect(unscoped.headers['idempotent-replayed']).toBeUndefined()
       expect(unscoped.json()).toEqual({ unscoped: 1 })
       await app.close()
+    })
+
+    it('lists a request whose scope starts with a marker of the plugin\'s own keys as a request, not as a step\'s record', async () => {
+      const key = newKey()
+      const gate = holding = new Gate()
+      const held = postWithKey(`${served.url}/orders`, key, { sku: 'A1' }, { 'x-caller': 'step-marker' })
+      await gate.entered
+      const { leases } = await served.app.idempotency.inFlight()
+      expect(leases.map((lease) => lease.storageKey)).toContain(storageKey(key, '\u0000step:x'))
+      gate.open()
+      expect((await held).status).toBe(201)
     })
 
     it('lets operators address the requests without a caller: scope NO_CALLER_SCOPE', async () => {

@@ -142,6 +142,7 @@ describe('recovery points: bounds, events, misuse', () => {
     app.post('/large', { config: { idempotency: true } }, async (request) => await request.idempotency!.step('big', () => 'x'.repeat(200)))
     app.post('/function', { config: { idempotency: true } }, async (request) => await request.idempotency!.step('fn', () => (() => 1) as unknown as number))
     app.post('/unnamed', { config: { idempotency: true } }, async (request) => await request.idempotency!.step('', () => 1))
+    app.post('/line-feed', { config: { idempotency: true } }, async (request) => await request.idempotency!.step('a\nb', () => 1))
     app.post('/once', { config: { idempotency: true } }, async (request) => {
       const first = await request.idempotency!.step('a', () => 1)
       const again = await request.idempotency!.step('a', () => 2)
@@ -157,7 +158,8 @@ describe('recovery points: bounds, events, misuse', () => {
 
   it.each([
     ['/many', 'at most 100 distinct steps'],
-    ['/unnamed', 'needs a name']
+    ['/unnamed', 'needs a name'],
+    ['/line-feed', 'holds no line feed']
   ])('fails %s with a clear error', async (url, message) => {
     logged.length = 0
     expect((await post(url, `${url}-k`)).statusCode).toBe(500)

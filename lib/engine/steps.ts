@@ -73,6 +73,9 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   if (typeof name !== 'string' || name.length === 0 || name.length > MAX_NAME_LENGTH) {
     throw new TypeError(`fastify-idempotency: a step needs a name of 1 to ${MAX_NAME_LENGTH} characters`)
   }
+  // The storage key and the name are joined by a line feed to derive the downstream key: a name
+  // holding one could give two callers' steps one downstream key.
+  if (name.includes('\n')) throw new TypeError(`fastify-idempotency: a step's name holds no line feed (${JSON.stringify(name)})`)
   if (typeof fn !== 'function') throw new TypeError(`fastify-idempotency: step '${name}' needs a function`)
   if (codec !== undefined && (typeof codec?.serialize !== 'function' || typeof codec.deserialize !== 'function')) {
     throw new TypeError(`fastify-idempotency: step '${name}': its third argument is a codec of serialize and deserialize functions`)

@@ -7,7 +7,8 @@
  * a request without a caller on a scoped route has the scope `NO_CALLER_SCOPE`, `\n<key>`.
  * A scope is the application's own string and may be long or not well-formed Unicode (a lone
  * surrogate, which UTF-8 cannot encode: two different scopes would become one). Such a key, or
- * one longer than MAX_STORAGE_KEY_BYTES in UTF-8, is replaced by a hash of it:
+ * one longer than MAX_STORAGE_KEY_BYTES in UTF-8, or one whose scope starts with NUL (the marker of
+ * the keys the plugin makes itself: hashes, and steps' records), is replaced by a hash of it:
  * `\u0000sha256:<base64url digest>`. It cannot equal a key that was not hashed: an unscoped key
  * is printable ASCII (no NUL), and a scoped one contains a line feed (a digest never does).
  *
@@ -51,7 +52,9 @@ export function storageKey (key: string, scope: string | null, hasher: KeyHasher
   // A string of n UTF-16 units takes n to 3n bytes in UTF-8: count them only when it may matter.
   const fits = composed.length * 3 <= MAX_STORAGE_KEY_BYTES ||
     (composed.length <= MAX_STORAGE_KEY_BYTES && Buffer.byteLength(composed) <= MAX_STORAGE_KEY_BYTES)
-  if (fits && !LONE_SURROGATE.test(composed)) return composed
+  // A key that starts with NUL is one the plugin made (a hash, a step's record: NUL is their
+  // marker, which operators and `forget` rely on); a scope that starts with one is hashed too.
+  if (fits && composed.charCodeAt(0) !== 0 && !LONE_SURROGATE.test(composed)) return composed
   // UTF-16 code units, so lone surrogates hash apart.
   return HASHED_KEY_PREFIX + hash('sha256', Buffer.from(composed, 'utf16le'), 'base64url')
 }

@@ -176,12 +176,12 @@ function warnOfSharedKeys (route: GuardedRoute, request: FastifyRequest): void {
 
 /** The handler is about to run (phase `running`): hand it its transaction, and watch for a hijacked reply. */
 function run (reply: FastifyReply, http: HttpRequestState): void {
-  const { state, route: { engine } } = http
+  const { state } = http
   if (state.transaction !== null) http.context.transaction = state.transaction.handle
   if (reply.raw.destroyed) {
     // The client left before the lease was taken: 'close' has fired already and will not again.
     // As below, the lease is not renewed, so a handler that never answers frees the key.
-    engine.renewal.drop(state)
+    clientGone(reply, http)
     return
   }
   reply.raw.once('close', () => { onClose(reply, http) })
@@ -197,11 +197,20 @@ function onClose (reply: FastifyReply, http: HttpRequestState): void {
     settleHijacked(reply, http)
     return
   }
-  // The client went away while the handler runs. The lease stays, so a retry does not run the
-  // handler a second time alongside it, and onSend settles it with the handler's outcome (a
-  // retry then replays what was done). Renewal stops, though: a handler that never answers
-  // frees the key once lockTimeout has passed instead of holding it for ever.
+  clientGone(reply, http)
+}
+
+/**
+ * The client went away while the handler runs. The lease stays, so a retry does not run the
+ * handler a second time alongside it, and onSend settles it with the handler's outcome (a retry
+ * then replays what was done). Renewal stops, though: a handler that never answers frees the key
+ * once lockTimeout has passed instead of holding it for ever.
+ */
+function clientGone (reply: FastifyReply, http: HttpRequestState): void {
   http.route.engine.renewal.drop(http.state)
+  // A handler that answers by hand on the response its client left (Node emits 'prefinish', not
+  // 'close' again, when it is ended) never reaches onSend either: its outcome is what it wrote.
+  reply.raw.once('prefinish', () => { if (http.state.phase === 'running') settleHijacked(reply, http) })
 }
 
 /**
