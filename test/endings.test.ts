@@ -7,6 +7,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { request as httpRequest } from 'node:http'
 import { connect as connectHttp2, constants as http2Constants } from 'node:http2'
+import { readFileSync } from 'node:fs'
 import { Readable } from 'node:stream'
 import { ReadableStream } from 'node:stream/web'
 import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify'
@@ -14,7 +15,7 @@ import fastifyCompress from '@fastify/compress'
 import { fastifySSE } from '@fastify/sse'
 import idempotency, { channels, idempotencyErrorHandler, type IdempotencyEvent } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
-import { postWithKey } from './helpers/http-client.js'
+import { postWithKey, type HttpAnswer } from './helpers/http-client.js'
 import { http2Post } from './helpers/http2.js'
 import { storeCases } from './helpers/stores.js'
 
@@ -106,9 +107,10 @@ for (const store of cases) {
       return made
     }
     /** The handler's side: count the run, and watch its client. */
-    const start = (path: string, request: { headers: Record<string, unknown> }, reply: FastifyReply): Production => {
-      runs.set(path, (runs.get(path) ?? 0) + 1)
-      const made = productions.get(String(request.headers['idempotency-key']))!
+    const start = (_path: string, request: { headers: Record<string, unknown> }, reply: FastifyReply): Production => {
+      const key = String(request.headers['idempotency-key'])
+      runs.set(key, (runs.get(key) ?? 0) + 1)
+      const made = productions.get(key)!
       made.watch(reply)
       return made
     }
@@ -172,6 +174,46 @@ for (const store of cases) {
         for await (const chunk of made.chunks()) reply.raw.write(chunk)
         reply.raw.end()
       })
+      /** Count a run of the request's key. */
+      const count = (request: { headers: Record<string, unknown> }): number => {
+        const key = String(request.headers['idempotency-key'])
+        runs.set(key, (runs.get(key) ?? 0) + 1)
+        return runs.get(key)!
+      }
+      app.post('/string', guarded, async (request, reply) => { reply.code(201).type('text/plain'); return `order ${count(request)}` })
+      app.post('/buffer', guarded, async (request, reply) => { reply.code(201).type('application/octet-stream'); return Buffer.from([count(request), 0, 255]) })
+      app.post('/empty', guarded, async (request, reply) => { count(request); reply.code(204).send() })
+      app.post('/redirect-302', guarded, async (request, reply) => reply.redirect(`/orders/${count(request)}`))
+      app.post('/redirect-303', guarded, async (request, reply) => reply.redirect(`/orders/${count(request)}`, 303))
+      app.post('/status/:code', guarded, async (request, reply) => {
+        const { code } = request.params as { code: string }
+        reply.code(Number(code)).header('location', '/elsewhere')
+        return { run: count(request) }
+      })
+      app.post('/declined', { config: { idempotency: { storeIf: () => false } } }, async (request) => ({ run: count(request) }))
+      app.post('/fails-before', guarded, async (request) => {
+        count(request)
+        throw Object.assign(new Error('declined by the bank'), { statusCode: 402 })
+      })
+      app.post('/response-read', guarded, async (request) => {
+        count(request)
+        const response = new Response('read', { status: 201 })
+        await response.text()
+        return response
+      })
+      app.post('/fails-after', guarded, async (request, reply) => {
+        count(request)
+        reply.raw.setHeader('content-type', 'text/plain')
+        reply.raw.writeHead(201)
+        reply.raw.end('written')
+        throw new Error('after the answer')
+      })
+      app.post('/bytes-after-client-gone', guarded, async (request, reply) => {
+        const made = start('/bytes-after-client-gone', request, reply)
+        await made.clientGone
+        reply.code(201)
+        return { order: 'kept' }
+      })
       url = await app.listen({ host: '127.0.0.1', port: 0 })
     })
     afterAll(async () => {
@@ -179,8 +221,155 @@ for (const store of cases) {
       await store.cleanup()
     })
 
+    /** A POST with `key` to `path`, its answer read whole; redirects are not followed. */
+    const send = async (path: string, key: string): Promise<HttpAnswer> => {
+      const res = await fetch(url + path, { method: 'POST', redirect: 'manual', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
+      return { status: res.status, body: await res.text(), replayed: res.headers.get('idempotent-replayed') === 'true', headers: res.headers }
+    }
+    /** A POST to `path` under a new key, read whole and settled, then its retry: both answers, and the key. */
+    const twice = async (path: string, key = newKey()): Promise<[HttpAnswer, HttpAnswer, string]> => {
+      const settled = executed(key)
+      const first = await send(path, key)
+      await settled
+      return [first, await send(path, key), key]
+    }
+    /** Send a POST with `key` to `path`, and leave once its handler runs. */
+    const leaveOnceRunning = async (path: string, key: string, made: Production): Promise<void> => {
+      const { hostname, port } = new URL(url)
+      const req = httpRequest({ host: hostname, port, method: 'POST', path, headers: { 'content-type': 'application/json', 'idempotency-key': key } })
+      req.on('error', () => {})
+      req.end('{}')
+      await made.entered
+      req.destroy()
+    }
+
+    it('a string, a Buffer or no body, with a cacheable status', async () => {
+      for (const path of ['/string', '/buffer', '/empty']) {
+        const [first, retry, key] = await twice(path)
+        expect([retry.status, retry.replayed, retry.body], path).toEqual([first.status, true, first.body])
+        expect(runs.get(key), path).toBe(1)
+      }
+    })
+
     for (const path of ['/node-stream', '/web-stream', '/response']) {
-      it(`${path.slice(1)}, client gone while reading: the plugin reads it to its end and stores it; a retry gets 409 meanwhile, then the whole body`, async () => {
+      it(`a stream within maxResponseBytes: Node stream, web ReadableStream, Response (${path.slice(1)})`, async () => {
+        const key = newKey()
+        const made = production(key)
+        const settled = executed(key)
+        const res = await fetch(url + path, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
+        const reader = res.body!.getReader()
+        await reader.read()
+        expect(await statusOf(url + path, key)).toBe(409)
+        made.open()
+        while (!(await reader.read()).done);
+        expect(await settled).toMatchObject({ stored: true })
+        const retry = await postWithKey(url + path, key)
+        expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, made.whole])
+        expect(runs.get(key)).toBe(1)
+      })
+    }
+
+    for (const path of ['/sse', '/raw-writes', '/hijacked']) {
+      it(`a hijacked reply, raw writes or SSE, ended by the handler (${path.slice(1)})`, async () => {
+        const key = newKey()
+        production(key).open()
+        const [first, retry] = await twice(path, key)
+        expect(first.body).toContain('0,0')
+        expect([retry.status, retry.replayed, retry.body]).toEqual([first.status, true, ''])
+        expect(retry.headers.get('idempotent-body-omitted')).toBe('true')
+        expect(runs.get(key)).toBe(1)
+      })
+    }
+
+    it("a redirect after a POST: 303, or reply.redirect's 302", async () => {
+      for (const path of ['/redirect-302', '/redirect-303']) {
+        const key = newKey()
+        const settled = executed(key)
+        const first = await fetch(url + path, { method: 'POST', redirect: 'manual', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
+        await settled
+        const retry = await fetch(url + path, { method: 'POST', redirect: 'manual', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
+        expect([retry.status, retry.headers.get('location'), retry.headers.get('idempotent-replayed')], path).toEqual([first.status, '/orders/1', 'true'])
+        expect(runs.get(key), path).toBe(1)
+      }
+    })
+
+    it('a status outside the cacheable set (400, 500, 307...), or one the route\'s storeIf declines', async () => {
+      for (const path of ['/status/400', '/status/500', '/status/307', '/status/301', '/declined']) {
+        const [, retry] = await twice(path)
+        expect([retry.status, retry.replayed, JSON.parse(retry.body).run], path).toEqual([Number(path.split('/')[2] ?? 200), false, 2])
+      }
+    })
+
+    it('the handler fails before it answers', async () => {
+      for (const [path, status] of [['/fails-before', 402], ['/response-read', 500]] as const) {
+        const [first, retry, key] = await twice(path)
+        expect([first.status, retry.status, retry.replayed], path).toEqual([status, status, false])
+        expect(runs.get(key), path).toBe(2)
+      }
+    })
+
+    for (const path of ['/node-stream', '/web-stream', '/response']) {
+      it(`the handler fails while it streams (${path.slice(1)})`, async () => {
+        const key = newKey()
+        const made = production(key)
+        made.failing = true
+        const settled = executed(key)
+        const res = await fetch(url + path, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
+        expect(res.status).toBe(201)
+        made.open()
+        await expect(res.text()).rejects.toThrow()
+        expect(await settled).toMatchObject({ stored: false, reason: 'failed' })
+        made.failing = false
+        const before = runs.get(key)!
+        // The key was given back before the client saw the cut: this retry runs at once.
+        const retry = await postWithKey(url + path, key)
+        expect([retry.status, retry.replayed, retry.body]).toEqual([201, false, made.whole])
+        expect(runs.get(key)).toBe(before + 1)
+      })
+    }
+
+    it('the handler fails after it answered', async () => {
+      const [first, retry, key] = await twice('/fails-after')
+      expect([first.status, first.body]).toEqual([201, 'written'])
+      expect([retry.status, retry.replayed, retry.headers.get('idempotent-body-omitted')]).toEqual([201, true, 'true'])
+      expect(runs.get(key)).toBe(1)
+    })
+
+    it('the client is gone before the handler answers', async () => {
+      for (const path of ['/bytes-after-client-gone', '/stream-after-client-gone']) {
+        const key = newKey()
+        const made = production(key)
+        made.open()
+        const settled = executed(key)
+        await leaveOnceRunning(path, key, made)
+        expect(await settled, path).toMatchObject({ stored: true })
+        const retry = await postWithKey(url + path, key)
+        expect([retry.status, retry.replayed], path).toEqual([201, true])
+        expect(retry.body, path).toBe(path === '/bytes-after-client-gone' ? '{"order":"kept"}' : made.whole)
+        expect(runs.get(key), path).toBe(1)
+      }
+    })
+
+    it('the client is gone after the body', async () => {
+      const key = newKey()
+      const settled = executed(key)
+      const { hostname, port } = new URL(url)
+      const body = await new Promise<string>((resolve, reject) => {
+        const req = httpRequest({ host: hostname, port, method: 'POST', path: '/string', headers: { 'content-type': 'application/json', 'idempotency-key': key } }, (res) => {
+          let text = ''
+          res.on('data', (chunk: Buffer) => { text += chunk.toString() })
+          res.on('end', () => { req.destroy(); resolve(text) })
+        })
+        req.on('error', reject)
+        req.end('{}')
+      })
+      await settled
+      const retry = await postWithKey(url + '/string', key)
+      expect([retry.replayed, retry.body]).toEqual([true, body])
+    })
+
+    for (const path of ['/node-stream', '/web-stream', '/response']) {
+      it(`the client is gone while reading a stream (${path.slice(1)})`, async () => {
         const key = newKey()
         const made = production(key)
         const settled = executed(key)
@@ -193,28 +382,11 @@ for (const store of cases) {
         const retry = await postWithKey(url + path, key)
         expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, made.whole])
         expect(retry.headers.get('content-type')).toMatch(/^text\/csv/)
-        expect(runs.get(path)).toBe(1)
+        expect(runs.get(key)).toBe(1)
       })
     }
 
-    it('stream, client gone before the body: the plugin reads it and stores it; a retry gets the whole body', async () => {
-      const key = newKey()
-      const made = production(key)
-      made.open()
-      const settled = executed(key)
-      const { hostname, port } = new URL(url)
-      const req = httpRequest({ host: hostname, port, method: 'POST', path: '/stream-after-client-gone', headers: { 'content-type': 'application/json', 'idempotency-key': key } })
-      req.on('error', () => {})
-      req.end('{}')
-      await made.entered
-      req.destroy()
-      expect(await settled).toMatchObject({ stored: true })
-      const retry = await postWithKey(url + '/stream-after-client-gone', key)
-      expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, made.whole])
-      expect(runs.get('/stream-after-client-gone')).toBe(1)
-    })
-
-    it('raw writes, client gone before the head: the outcome the handler wrote when it ends the response is stored; a retry gets it', async () => {
+    it('the client is gone before the head of raw writes', async () => {
       const key = newKey()
       const made = production(key)
       const settled = executed(key)
@@ -227,29 +399,10 @@ for (const store of cases) {
       expect(await settled).toMatchObject({ stored: true, bodyOmitted: true })
       const retry = await postWithKey(url + '/raw-writes-after-client-gone', key)
       expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, ''])
-      expect(runs.get('/raw-writes-after-client-gone')).toBe(1)
+      expect(runs.get(key)).toBe(1)
     })
 
-    for (const path of ['/node-stream', '/web-stream', '/response']) {
-      it(`${path.slice(1)}, handler fails while it streams: the client gets a cut response, the key is released before it; a retry runs`, async () => {
-        const key = newKey()
-        const made = production(key)
-        made.failing = true
-        const settled = executed(key)
-        const res = await fetch(url + path, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: '{}' })
-        expect(res.status).toBe(201)
-        made.open()
-        await expect(res.text()).rejects.toThrow()
-        expect(await settled).toMatchObject({ stored: false, reason: 'failed' })
-        made.failing = false
-        const before = runs.get(path)!
-        const retry = await postWithKey(url + path, key)
-        expect([retry.status, retry.replayed, retry.body]).toEqual([201, false, made.whole])
-        expect(runs.get(path)).toBe(before + 1)
-      })
-    }
-
-    it('stream that does not end within lockTimeout of its client going: stopped, its outcome stored without the body', async () => {
+    it('the client is gone and the stream does not end within lockTimeout', async () => {
       const key = newKey()
       const made = production(key)
       const settled = executed(key)
@@ -258,10 +411,10 @@ for (const store of cases) {
       expect(await settled).toMatchObject({ stored: true, bodyOmitted: true })
       const retry = await postWithKey(url + '/unfinished-stream', key)
       expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, ''])
-      expect(runs.get('/unfinished-stream')).toBe(1)
+      expect(runs.get(key)).toBe(1)
     })
 
-    it('stream over maxResponseBytes, client gone while reading: its outcome is stored without the body; a retry gets it', async () => {
+    it('the client is gone while reading a stream over maxResponseBytes', async () => {
       const key = newKey()
       const made = production(key)
       const settled = executed(key)
@@ -274,11 +427,11 @@ for (const store of cases) {
       expect([retry.status, retry.replayed, retry.body]).toEqual([201, true, ''])
       expect(retry.headers.get('idempotent-body-omitted')).toBe('true')
       expect(retry.headers.get('location')).toBe('/exports/1')
-      expect(runs.get('/oversized-stream')).toBe(1)
+      expect(runs.get(key)).toBe(1)
     })
 
     for (const path of ['/sse', '/raw-writes', '/hijacked']) {
-      it(`${path.slice(1)}, client gone while reading: its outcome is stored without the body when the client goes; a retry gets it, also while the handler still writes`, async () => {
+      it(`the client is gone while reading raw writes, SSE or a hijacked reply (${path.slice(1)})`, async () => {
         const key = newKey()
         const made = production(key)
         const settled = executed(key)
@@ -289,7 +442,7 @@ for (const store of cases) {
         expect([retry.status, retry.replayed, retry.body]).toEqual([dropped.status, true, ''])
         expect(retry.headers.get('idempotent-body-omitted')).toBe('true')
         made.open()
-        expect(runs.get(path)).toBe(1)
+        expect(runs.get(key)).toBe(1)
       })
     }
   })
@@ -366,6 +519,30 @@ describe('streams whose client leaves, through HTTP/2 and @fastify/compress', ()
       expect(runs).toBe(1)
     } finally {
       await app.close()
+    }
+  })
+})
+
+describe('the table of endings in docs/behaviour.md', () => {
+  it('names a test for each row, and each test it names exists', () => {
+    const page = readFileSync(new URL('../docs/behaviour.md', import.meta.url), 'utf8')
+    const section = page.slice(page.indexOf('## The table of endings'), page.indexOf('### Redirects after a POST'))
+    const rows = section.split('\n').filter((line) => line.startsWith('| ') && !line.startsWith('| **') && !line.startsWith('| Ending'))
+    expect(rows.length).toBeGreaterThan(20)
+    const source = (file: string): string => readFileSync(new URL(file, import.meta.url), 'utf8').replaceAll("\\'", "'")
+    for (const row of rows) {
+      const cells = row.split(' | ')
+      const ending = cells[0]!.slice(2).replaceAll('`', '')
+      const tests = cells.at(-1)!.replace(/ \|$/, '')
+      if (tests === '`endings`') {
+        expect(source('./endings.test.ts'), ending).toContain(`${ending}`)
+        continue
+      }
+      const cited = [...tests.matchAll(/`([\w.-]+\.test\.ts)` › ((?:"[^"]+"(?:, )?)+)/g)]
+      expect(cited.length, ending).toBeGreaterThan(0)
+      for (const [, file, titles] of cited) {
+        for (const [, title] of titles!.matchAll(/"([^"]+)"/g)) expect(source(`./${file!}`), `${ending}: ${file!}`).toContain(title)
+      }
     }
   })
 })

@@ -45,7 +45,10 @@ const styles: Record<string, [Style, OnRetry]> = {
   // Fastify refuses it (500 FST_ERR_REP_RESPONSE_BODY_CONSUMED): nothing is kept.
   'a Response whose body was read': [async () => { const response = new Response('read', { status: 201 }); await response.text(); return response }, 'run again'],
   'reply.code(500), then a Response with status 201': [async (_req, reply) => { reply.code(500); return new Response('created', { status: 201 }) }, 'replayed'],
-  'reply.redirect()': [async (_req, reply) => reply.redirect('/elsewhere', 303), 'run again'],
+  // Post/Redirect/Get: the redirect is the operation's answer (302 and 303 are in the default set).
+  'reply.redirect()': [async (_req, reply) => reply.redirect('/elsewhere'), 'replayed'],
+  'reply.redirect() with 303': [async (_req, reply) => reply.redirect('/elsewhere', 303), 'replayed'],
+  'reply.redirect() with 307': [async (_req, reply) => reply.redirect('/elsewhere', 307), 'run again'],
   'an error thrown': [async () => { throw Object.assign(new Error('declined'), { statusCode: 402 }) }, 'run again'],
   'reply.send(error)': [(_req, reply) => { reply.send(Object.assign(new Error('declined'), { statusCode: 402 })) }, 'run again'],
   'reply.hijack() then a raw write': [async (_req, reply) => {

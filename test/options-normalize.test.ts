@@ -127,7 +127,7 @@ describe('a route\'s options over the plugin\'s', () => {
     const plugin = normalize({ fingerprint: { query: true, headers: ['x-a'] }, addCacheableStatusCodes: [500], removeCacheableStatusCodes: [202] })
     const route = routeSettings(plugin, { fingerprint: { method: true, headers: ['x-b'] }, addCacheableStatusCodes: [202], removeCacheableStatusCodes: [500] }, 'POST /pay')!
     expect(route.fingerprint).toEqual(normalize({ fingerprint: { query: true, method: true, headers: ['x-b'] } }).defaults.fingerprint)
-    expect([...route.cacheable].sort((a, b) => a - b)).toEqual([200, 201, 202, 204])
+    expect([...route.cacheable].sort((a, b) => a - b)).toEqual([200, 201, 202, 204, 302, 303])
   })
 
   it('holds a route\'s lockTimeout to the plugin\'s maxLockHold, and the default maxLockHold to the route\'s lockTimeout', () => {

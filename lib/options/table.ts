@@ -12,7 +12,12 @@ import { fieldsOf, propertiesOf, type FieldContext, type SettingsOf } from './fi
 import { anything, boolean, duration, fingerprintSchema, invalid, statusCodes, token, tokens } from './schema.js'
 import type { IdempotencyOptions, IdempotencyRouteOptions } from './types.js'
 
-export const DEFAULT_CACHEABLE_STATUS_CODES: readonly number[] = [200, 201, 202, 204]
+/**
+ * 302 and 303 are the answers of Post/Redirect/Get (`reply.redirect` sends 302): the operation
+ * was done and the client is sent to its result, so a retry whose redirect was lost must get the
+ * redirect, not run the operation again. 301, 307 and 308 say "do it elsewhere": not kept.
+ */
+export const DEFAULT_CACHEABLE_STATUS_CODES: readonly number[] = [200, 201, 202, 204, 302, 303]
 const DEFAULT_LOCK_TIMEOUT = '60s'
 const DEFAULT_MAX_LOCK_HOLD = 10 * 60_000
 const DEFAULT_WAIT_TIMEOUT = 10_000

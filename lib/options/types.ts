@@ -28,7 +28,7 @@ export interface IdempotencyRouteOptions {
    * is retried. A hung store never holds a request for longer.
    */
   storeTimeout?: number | string
-  /** Status codes to store besides 200, 201, 202 and 204. */
+  /** Status codes to store besides 200, 201, 202, 204, 302 and 303. */
   addCacheableStatusCodes?: number[]
   /** Status codes not to store. */
   removeCacheableStatusCodes?: number[]
