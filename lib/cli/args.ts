@@ -4,7 +4,7 @@
  * error, before anything is loaded).
  */
 import { parseArgs } from 'node:util'
-import { NO_CALLER_SCOPE } from '../engine/storage-key.js'
+import { NO_CALLER_SCOPE } from '../operations/index.js'
 
 export type CommandName = 'inspect' | 'forget' | 'in-flight' | 'purge'
 

@@ -3,8 +3,7 @@
  * asked for, as base64 in JSON; as text for people when it is UTF-8).
  */
 import { isUtf8 } from 'node:buffer'
-import { NO_CALLER_SCOPE } from '../engine/storage-key.js'
-import type { ForgetResult, HeldKey, InFlightListing, Inspection } from '../operations/index.js'
+import { NO_CALLER_SCOPE, type ForgetResult, type HeldKey, type InFlightListing, type Inspection } from '../operations/index.js'
 
 /** `1h 2m`, `3m 4s`, `5.2s`, `120ms`: the two largest units. */
 export function span (ms: number): string {

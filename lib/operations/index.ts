@@ -19,6 +19,9 @@ import { Audit, type AuditLog, type Outcome } from './audit.js'
 import { fingerprintOptionsOf } from './fingerprint-options.js'
 import { shareIdentity } from '../storage/error-identity.js'
 
+/** The scope of the requests a scoped route got without a caller, for the command (engine/storage-key.ts). */
+export { NO_CALLER_SCOPE }
+
 /** What every operation may be told. */
 export interface OperationOptions {
   /** Who asks, for the audit (a support agent's name, a ticket): in the log line and the diagnostics event. */
