@@ -217,11 +217,11 @@ export class IdempotencyStoredResponseUnreadableError extends IdempotencyError {
 shareIdentity(IdempotencyStoredResponseUnreadableError, 'IdempotencyStoredResponseUnreadableError')
 
 /**
- * A function ran (a recovery point, or a function run with `run`), and what it returned could not
- * be kept (a value no encoding keeps, over `maxResponseBytes`, or a `serialize` that threw). The
- * plugin recorded that it ran, so it never runs again for this key: the run that called it gets
- * this error at once (500, a fault of the server's code), and every later one too (409, until the
- * entry expires or an operator forgets the key). `reason` says why it could not be kept.
+ * A function ran before under this key (a recovery point, or a function run with `run`), and what
+ * it returned could not be kept (a value no encoding keeps, over `maxResponseBytes`, or a
+ * `serialize` that threw). The plugin kept that it ran, so it never runs again for this key: the
+ * run that called it went on with its result, and every later run gets this error (409) until the
+ * entry expires or an operator forgets the key. `reason` says why it could not be kept.
  */
 export class IdempotencyResultNotRecordedError extends IdempotencyError {
   static override readonly type = `${PROBLEM_TYPE_BASE}#result-not-recorded`
@@ -229,16 +229,10 @@ export class IdempotencyResultNotRecordedError extends IdempotencyError {
   readonly code = 'FST_IDEMPOTENCY_RESULT_NOT_RECORDED'
   /** Why the result could not be kept. */
   readonly reason: string
-  /** `true` for the run in which the function ran; `false` for a later one, which did not run it. */
-  readonly ranNow: boolean
 
-  constructor (idempotencyKey: string, reason: string, ranNow: boolean, cause?: unknown) {
-    super(ranNow
-      ? `The operation ran, but its result could not be recorded (${reason}), so a retry will not run it again and will get this error too. This is a fault in the server.`
-      : `The operation ran before, but its result could not be recorded (${reason}), so it is not run again; use a new key only if you know it did not take effect.`,
-    ranNow ? 500 : 409, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
+  constructor (idempotencyKey: string, reason: string, cause?: unknown) {
+    super(`The operation ran before, but its result could not be recorded (${reason}), so it is not run again; use a new key only if you know it did not take effect.`, 409, idempotencyKey, { ...DO_NOT_RETRY }, { cause })
     this.reason = reason
-    this.ranNow = ranNow
   }
 }
 shareIdentity(IdempotencyResultNotRecordedError, 'IdempotencyResultNotRecordedError')

@@ -238,7 +238,7 @@ describe('public types', () => {
     expectTypeOf(standalone.close).returns.resolves.toBeVoid()
     expectTypeOf<RunFunction<number>>().returns.toEqualTypeOf<number | Promise<number>>()
     expectTypeOf<RunOptions['scope']>().toEqualTypeOf<string | null | undefined>()
-    expectTypeOf(new IdempotencyResultNotRecordedError('k', 'why', true).ranNow).toEqualTypeOf<boolean>()
+    expectTypeOf(new IdempotencyResultNotRecordedError('k', 'why').reason).toEqualTypeOf<string>()
     await standalone.close()
     await app.close()
   })

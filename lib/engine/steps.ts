@@ -24,7 +24,7 @@ import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
 import type { RouteEngine } from './route-engine.js'
-import { decodeValue, encodeValue, lostRecord, ValueLostError, ValueNotRecordableError, type ValueCodec } from './value-codec.js'
+import { decodeValue, recordOrLost, ValueLostError, type ValueCodec } from './value-codec.js'
 
 /** What a step's `fn` receives. */
 export interface StepContext {
@@ -134,7 +134,7 @@ function recorded<T> ({ door: { cipher }, reporter }: RouteEngine, state: Reques
   } catch (error) {
     if (error instanceof ValueLostError) {
       state.log.error({ idempotencyKey: state.key }, `idempotency step '${name}' ran in an earlier run, and its result could not be recorded (${error.reason}): refused with 409 #result-not-recorded rather than run again`)
-      throw new IdempotencyResultNotRecordedError(state.key, error.reason, false, error)
+      throw new IdempotencyResultNotRecordedError(state.key, error.reason, error)
     }
     reporter.report(state, 'unreadable', { error, step: name }, 'error', `idempotency step '${name}' has a record that cannot be read: refused with 409`)
     throw new IdempotencyStoredResponseUnreadableError(state.key, error)
@@ -166,7 +166,9 @@ async function record<T> (engine: RouteEngine, state: RequestState, name: string
     await giveBack()
     throw error
   }
-  stored = recordOf(state, name, value, settings.maxResponseBytes, codec)
+  stored = recordOrLost(value, `step '${name}' returned`, settings.maxResponseBytes, codec as ValueCodec | undefined, (error) => {
+    state.log.error({ idempotencyKey: state.key }, `idempotency ${error.message}. The step ran: this run goes on with its result, and a later run of this key that reaches the step is refused (409 #result-not-recorded) rather than running it again. Give the step a codec: step(name, fn, { serialize, deserialize }) (docs/recovery-points.md)`)
+  })
   if (cipher !== null) stored = cipher.seal(stepKey, stored)
   let kept: boolean
   try {
@@ -188,21 +190,6 @@ async function record<T> (engine: RouteEngine, state: RequestState, name: string
   }
   reporter.report(state, 'step-run', { step: name })
   return value
-}
-
-/**
- * What is recorded of a step's result: its record, or, when the result cannot be kept (a value
- * the codec cannot write, one over maxResponseBytes), that the step ran with its result lost. The
- * step has done its work either way: it is never run again for this key.
- */
-function recordOf<T> (state: RequestState, name: string, value: T, limit: number, codec: ValueCodec<T> | undefined): StoredResponse {
-  try {
-    return encodeValue(value, `step '${name}' returned`, limit, codec as ValueCodec | undefined)
-  } catch (error) {
-    if (!(error instanceof ValueNotRecordableError)) throw error
-    state.log.error({ idempotencyKey: state.key }, `idempotency ${error.message}. The step ran: this run goes on with its result, and a later run of this key that reaches the step is refused (409 #result-not-recorded) rather than running it again. Give the step a codec: step(name, fn, { serialize, deserialize }) (docs/recovery-points.md)`)
-    return lostRecord(error.message)
-  }
 }
 
 /** The key `fn` passes downstream: derived apart from the step's storage key, never equal to it. */

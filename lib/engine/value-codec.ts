@@ -143,6 +143,21 @@ export function decodeValue (record: StoredResponse, codec?: ValueCodec): unknow
   }
 }
 
+/**
+ * The record of `value`; when it cannot be kept, a record that the function ran with its result
+ * lost (it has done its work either way, and must never run again for its key), after telling
+ * `lost` why.
+ */
+export function recordOrLost (value: unknown, what: string, limit: number, codec: ValueCodec | undefined, lost: (error: ValueNotRecordableError) => void): StoredResponse {
+  try {
+    return encodeValue(value, what, limit, codec)
+  } catch (error) {
+    if (!(error instanceof ValueNotRecordableError)) throw error
+    lost(error)
+    return lostRecord(error.message)
+  }
+}
+
 /** A record saying the function ran and its result could not be kept, and why. */
 export function lostRecord (reason: string): StoredResponse {
   return { statusCode: 200, contentType: RESULT_ENCODING.lost, headers: {}, body: Buffer.from(reason) }

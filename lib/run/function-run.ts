@@ -19,7 +19,7 @@ import type { RouteEngine } from '../engine/route-engine.js'
 import { settle } from '../engine/settle.js'
 import { runStep, type StepFunction } from '../engine/steps.js'
 import { checkKey, storageKey } from '../engine/storage-key.js'
-import { decodeValue, encodeValue, lostRecord, ValueLostError, ValueNotRecordableError, type ValueCodec } from '../engine/value-codec.js'
+import { decodeValue, recordOrLost, ValueLostError, type ValueCodec } from '../engine/value-codec.js'
 import {
   IdempotencyResultNotRecordedError,
   IdempotencyStoreUnavailableError,
@@ -83,21 +83,20 @@ async function runHolding<T> (engine: RouteEngine, state: RequestState, fn: RunF
     throw error
   }
   state.startSettling()
-  let record: StoredResponse
-  let lost: ValueNotRecordableError | null = null
-  try {
-    record = encodeValue(value, 'the function returned', engine.settings.maxResponseBytes, codec as ValueCodec | undefined)
-  } catch (error) {
-    if (!(error instanceof ValueNotRecordableError)) throw error
-    // fn ran and may have done its work: that it ran is kept, so that it never runs again.
-    lost = error
-    record = lostRecord(error.message)
-  }
-  const settlement = await settle(engine, state, { kind: 'store', statusCode: 200, response: record })
+  const settlement = await settle(engine, state, { kind: 'store', statusCode: 200, response: keptOf(state, value, engine.settings.maxResponseBytes, codec) })
   // Transaction mode: the result was to be kept with fn's writes, and neither was.
   if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(`the result was not kept (${settlement.reason ?? 'store-error'}): the transaction was rolled back`))
-  if (lost !== null) throw new IdempotencyResultNotRecordedError(state.key, lost.message, true, lost)
   return value
+}
+
+/**
+ * What is kept of fn's result: its record, or that fn ran with its result lost. This call goes on
+ * with the result it has; a later one gets IdempotencyResultNotRecordedError.
+ */
+function keptOf<T> (state: RequestState, value: T, limit: number, codec: ValueCodec<T> | undefined): StoredResponse {
+  return recordOrLost(value, 'the function returned', limit, codec as ValueCodec | undefined, (error) => {
+    state.log.error({ idempotencyKey: state.key }, `idempotency ${error.message}. The function ran: this call returns its result, and a later call with this key is refused (IdempotencyResultNotRecordedError) rather than running it again. Return plain data, or give run a codec (docs/jobs.md)`)
+  })
 }
 
 /** What an earlier run kept, opened (the engine opened a sealed one) and decoded. */
@@ -105,7 +104,7 @@ function kept<T> ({ reporter }: RouteEngine, state: RequestState, response: Stor
   try {
     return decodeValue(response, codec as ValueCodec | undefined) as T
   } catch (error) {
-    if (error instanceof ValueLostError) throw new IdempotencyResultNotRecordedError(state.key, error.reason, false)
+    if (error instanceof ValueLostError) throw new IdempotencyResultNotRecordedError(state.key, error.reason, error)
     reporter.report(state, 'unreadable', { error }, 'error', 'idempotency kept result cannot be read: refused, the function not run')
     throw new IdempotencyStoredResponseUnreadableError(state.key, error)
   }
