@@ -5,6 +5,7 @@ import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
 import type { StoredResponse } from '../lib/storage/types.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
+import { redisNameScenarios } from './helpers/redis-names.js'
 
 const availability = redisClusterAvailability()
 const PREFIX = `test:redis-cluster-storage:${process.pid}:${Date.now()}:`
@@ -23,6 +24,7 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
   const clients: Cluster[] = []
   let client: Cluster
   let pipelined: Cluster
+  let prefixed: Cluster
 
   function newCluster (extra: ClusterOptions = {}): Cluster {
     const created = new Cluster(cluster!.nodes, { redisOptions: { maxRetriesPerRequest: 1 }, ...extra })
@@ -34,6 +36,7 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     cluster = await startRedisCluster()
     client = newCluster()
     pipelined = newCluster({ enableAutoPipelining: true })
+    prefixed = newCluster({ enableAutoPipelining: true, keyPrefix: PREFIX + 'key-prefix:' })
   }, 60_000)
 
   afterAll(async () => {
@@ -47,6 +50,16 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
   const harness = { describe, it, beforeEach, afterAll }
   storageConformance('redis cluster', () => new RedisStorage({ client, prefix: PREFIX }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
   storageConformance('redis cluster with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+  storageConformance('redis cluster with a keyPrefix', () => new RedisStorage({ client: prefixed, prefix: 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
+  // The keyPrefix as a Cluster also takes it, from the options of its nodes.
+  redisNameScenarios({ label: 'a Cluster client with a keyPrefix in its redisOptions', connect: () => newCluster({ redisOptions: { maxRetriesPerRequest: 1, keyPrefix: PREFIX + 'names:' } }) })
+
+  it('refuses a Cluster client whose keyPrefix holds a brace, which would put every key in one slot', () => {
+    for (const keyPrefix of ['{app}:', 'app{', '}']) {
+      const braced = newCluster({ keyPrefix, lazyConnect: true })
+      expect(() => new RedisStorage({ client: braced, prefix: PREFIX })).toThrow(/keyPrefix.*one slot/)
+    }
+  })
 
   /** A plain connection to one of the nodes, for commands that are about the node itself. */
   async function withNode<T> (fn: (node: Redis) => Promise<T>): Promise<T> {

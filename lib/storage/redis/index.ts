@@ -4,7 +4,7 @@ import { TokenGenerator } from '../tokens.js'
 import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from '../types.js'
 import { KeyWaiters, type Waiter } from '../waiters.js'
 import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
-import { channelOf, redisKeyOf } from './keys.js'
+import { channelOf, clientKeyPrefix, redisKeyOf } from './keys.js'
 import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.js'
 import { RedisCommands } from './commands.js'
 import { END_LEASE, MARK_WAITING, RENEW } from './scripts.js'
@@ -59,6 +59,8 @@ export class RedisStorage implements IdempotencyStorage {
   /** How the commands on a request's path are sent (commands.ts); it holds the client. */
   readonly #commands: RedisCommands
   readonly #open: string
+  /** The client's own keyPrefix, in front of the names a script publishes on (keys.ts). */
+  readonly #keyPrefix: string
   readonly #tokens = new TokenGenerator()
   /** What the operations (inspect, forget, listInFlight) see of this storage. */
   readonly #view: RedisView
@@ -80,9 +82,15 @@ export class RedisStorage implements IdempotencyStorage {
     if (prefix.includes('{') || prefix.includes('}')) {
       throw new TypeError('RedisStorage: `prefix` must not contain `{` or `}`; the storage places its own hash tag')
     }
+    const keyPrefix = clientKeyPrefix(options.client)
+    // On a Cluster, braces in the client's keyPrefix would make its hash tag every key's: one slot.
+    if ((options.client as { isCluster?: boolean }).isCluster === true && (keyPrefix.includes('{') || keyPrefix.includes('}'))) {
+      throw new TypeError(`RedisStorage: the Cluster client's \`keyPrefix\` (${JSON.stringify(keyPrefix)}) must not contain \`{\` or \`}\`: its hash tag would put every idempotency key in one slot, on one node. Give the storage a client without it (the storage's own \`prefix\` keeps apps apart)`)
+    }
     this.#commands = new RedisCommands(options.client)
     this.#open = prefix + '{'
-    this.#view = { client: options.client, open: this.#open }
+    this.#keyPrefix = keyPrefix
+    this.#view = { client: options.client, open: this.#open, keyPrefix }
   }
 
   /**
@@ -141,7 +149,7 @@ export class RedisStorage implements IdempotencyStorage {
    */
   async waitFor (key: string, timeout: number): Promise<void> {
     const redisKey = this.redisKey(key)
-    const channel = channelOf(redisKey)
+    const channel = this.#keyPrefix + channelOf(redisKey)
     const subscriber = this.#subscriber ??= this.#subscribe()
     const first = !this.#waiters.has(channel)
     const waiter = this.#waiters.add(channel, timeout)

@@ -2,7 +2,15 @@
  * How RedisStorage names things in Redis: the Redis key of an idempotency key (the prefix, then
  * the key, escaped, as the hash tag), the way back from a Redis key to the key, and the channel a
  * lease's end is published on.
+ *
+ * Two kinds of names: a command's key arguments, which the client may rewrite (ioredis's
+ * `keyPrefix` goes in front of each), and everything named outside them (a SCAN's MATCH pattern and
+ * the keys it returns, a pub/sub channel), which no client rewrites. The scripts name the channel
+ * from KEYS[1] as Redis sees it, keyPrefix included; so the storage subscribes to, and scans for,
+ * names with the client's keyPrefix in front (`clientKeyPrefix`), and hands back to its commands
+ * the keys a SCAN found without it.
  */
+import { isUtf8 } from 'node:buffer'
 
 /** Appended to a Redis key to name the channel its lease's end is published on. */
 export const CHANNEL_SUFFIX = ':ended'
@@ -39,4 +47,19 @@ export function storageKeyOf (open: string, redisKey: string): string | null {
 
 export function channelOf (redisKey: string): string {
   return redisKey + CHANNEL_SUFFIX
+}
+
+/**
+ * What a client puts in front of every key argument it sends (ioredis's `keyPrefix`, which a
+ * Cluster also takes from its `redisOptions`), or ''. A Buffer keyPrefix counts as its UTF-8 text,
+ * which is how the storage's names are sent.
+ */
+export function clientKeyPrefix (client: object): string {
+  const prefix = (client as { options?: { keyPrefix?: unknown } }).options?.keyPrefix
+  if (typeof prefix === 'string') return prefix
+  if (Buffer.isBuffer(prefix)) {
+    if (!isUtf8(prefix)) throw new TypeError('RedisStorage: the client\'s `keyPrefix` must be text (a Buffer of valid UTF-8)')
+    return prefix.toString('utf8')
+  }
+  return ''
 }

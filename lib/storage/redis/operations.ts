@@ -16,6 +16,8 @@ export interface RedisView {
   client: Redis | Cluster
   /** The storage's prefix and the opening brace of the hash tag. */
   open: string
+  /** What the client puts in front of every key argument (keys.ts, clientKeyPrefix). */
+  keyPrefix: string
 }
 
 /** Keys `listInFlight` looks at, at most, before it gives up and says its listing is incomplete. */
@@ -32,15 +34,21 @@ function literalGlob (text: string): string {
   return text.replace(/[\\*?[\]]/g, (char) => `\\${char}`)
 }
 
-/** Every key matching `pattern`, batch by batch, on each master (a Cluster) or on the one server. */
-async function * scan (client: Redis | Cluster, pattern: string): AsyncGenerator<string[]> {
+/**
+ * Every key whose name starts with `start` (a name as the storage's commands give it, without the
+ * client's keyPrefix), batch by batch, on each master (a Cluster) or on the one server. SCAN's
+ * pattern and the names it returns are not rewritten by the client: the keyPrefix goes in front of
+ * the one and is taken off the others, which go back to the client's commands.
+ */
+async function * scan ({ client, keyPrefix }: RedisView, start: string): AsyncGenerator<string[]> {
   const servers = typeof (client as Cluster).nodes === 'function' ? (client as Cluster).nodes('master') : [client as Redis]
+  const pattern = literalGlob(keyPrefix + start) + '*'
   for (const server of servers) {
     let cursor = '0'
     do {
       const [next, keys] = await server.scan(cursor, 'MATCH', pattern, 'COUNT', SCAN_COUNT)
       cursor = next
-      if (keys.length > 0) yield keys
+      if (keys.length > 0) yield keyPrefix === '' ? keys : keys.map((name) => name.slice(keyPrefix.length))
     } while (cursor !== '0')
   }
 }
@@ -68,9 +76,8 @@ export async function forgetKey (view: RedisView, key: string, options: StorageF
   const [outcome, ttl] = await view.client.eval(FORGET_LUA, 1, redisKey, options.force ? '1' : '0') as [number, number]
   if (outcome === -1) return { outcome: 'refused', lockExpiresAt: Date.now() + ttl }
   // The related keys: the prefix's Redis key without its closing brace, then anything.
-  const pattern = literalGlob(redisKeyOf(view.open, options.relatedPrefix).slice(0, -1)) + '*'
   let related = 0
-  for await (const keys of scan(view.client, pattern)) {
+  for await (const keys of scan(view, redisKeyOf(view.open, options.relatedPrefix).slice(0, -1))) {
     // One DEL per key: in a Cluster they live in different slots.
     const deleted = await Promise.all(keys.map((name) => view.client.del(name)))
     related += deleted.reduce((sum, count) => sum + count, 0)
@@ -81,7 +88,7 @@ export async function forgetKey (view: RedisView, key: string, options: StorageF
 export async function listLeases (view: RedisView, limit: number): Promise<LeaseListing> {
   const leases: HeldLease[] = []
   let scanned = 0
-  for await (const keys of scan(view.client, literalGlob(view.open) + '*')) {
+  for await (const keys of scan(view, view.open)) {
     const heads = await Promise.all(keys.map((name) => view.client.getrangeBuffer(name, 0, LEASE_HEAD_BYTES - 1)))
     for (const [index, head] of heads.entries()) {
       const key = storageKeyOf(view.open, keys[index]!)
