@@ -6,6 +6,7 @@ import { RedisStorage } from '../lib/redis.js'
 import type { StoredResponse } from '../lib/storage/types.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 import { redisNameScenarios } from './helpers/redis-names.js'
+import { runWaitExit } from './helpers/redis-wait-exit.js'
 
 const availability = redisClusterAvailability()
 const PREFIX = `test:redis-cluster-storage:${process.pid}:${Date.now()}:`
@@ -53,6 +54,13 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
   storageConformance('redis cluster with a keyPrefix', () => new RedisStorage({ client: prefixed, prefix: 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
   // The keyPrefix as a Cluster also takes it, from the options of its nodes.
   redisNameScenarios({ label: 'a Cluster client with a keyPrefix in its redisOptions', connect: () => newCluster({ redisOptions: { maxRetriesPerRequest: 1, keyPrefix: PREFIX + 'names:' } }) })
+
+  it('lets a process that waited on a Cluster end by itself once its app is closed', async () => {
+    const run = await runWaitExit({ MODE: 'cluster', REDIS_CLUSTER_PORTS: cluster!.nodes.map((node) => node.port).join(','), PREFIX: PREFIX + 'exit:' })
+    expect(run.stdout, run.stderr).toContain('REPLAYED true')
+    expect(run.exitedByItself, `${run.stdout}${run.stderr}`).toBe(true)
+    expect(run.code).toBe(0)
+  })
 
   it('refuses a Cluster client whose keyPrefix holds a brace, which would put every key in one slot', () => {
     for (const keyPrefix of ['{app}:', 'app{', '}']) {

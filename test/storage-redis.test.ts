@@ -10,6 +10,7 @@ import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
 import type { BeginResult, StoredResponse } from '../lib/storage/types.js'
 import { REDIS, service } from './helpers/services.js'
+import { WAITERS_OFFSET, WAITING } from '../lib/storage/redis/codec.js'
 
 const redis = await service(REDIS)
 // The server is shared with other test files running at the same time: everything this file
@@ -360,6 +361,34 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       expect(own.status).toBe('ready')
       expect(await own.ping()).toBe('PONG')
       expect((await storage.begin(freshKey('close'), 'fp', LEASE)).state).toBe('acquired')
+    })
+
+    it('closes its subscriber with the client, refuses to wait on a closed client, and waits again once it reconnects', async () => {
+      // The subscriber is a duplicate of the client: it carries the client's connection name.
+      const name = `client-end-${process.pid}-${++unique}`
+      const own = newClient({ connectionName: name })
+      const storage = new RedisStorage({ client: own, prefix: PREFIX + 'client-end:' })
+      const subscribed = async (): Promise<number> => (await client.client('LIST') as string).split('\n').filter((line) => line.includes(` name=${name} `) && line.includes(' sub=1 ')).length
+      const marked = async (key: string): Promise<void> => {
+        await vi.waitFor(async () => { expect((await client.get(storage.redisKey(key)))?.[WAITERS_OFFSET]).toBe(WAITING) })
+      }
+      const key = freshKey('client-end')
+      const token = tokenOf(await storage.begin(key, 'fp', LEASE))
+      const waiting = storage.waitFor(key, 60_000)
+      await marked(key)
+      expect(await subscribed()).toBe(1)
+      await own.quit()
+      // The client's end wakes the wait and closes the subscriber.
+      await waiting
+      await vi.waitFor(async () => { expect(await subscribed()).toBe(0) })
+      await expect(storage.waitFor(key, 60_000)).rejects.toThrow(/client has been closed/)
+      await own.connect()
+      const again = storage.waitFor(key, 60_000)
+      await marked(key)
+      expect(await storage.release(key, token)).toBe(true)
+      await again
+      await storage.close()
+      await vi.waitFor(async () => { expect(await subscribed()).toBe(0) })
     })
 
     it('works with the client @fastify/redis decorates as fastify.redis', async () => {

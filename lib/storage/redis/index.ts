@@ -65,6 +65,8 @@ export class RedisStorage implements IdempotencyStorage {
   /** What the operations (inspect, forget, listInFlight) see of this storage. */
   readonly #view: RedisView
   #subscriber: Promise<Subscriber> | null = null
+  /** Whether the storage listens for the client's end, to close the subscriber with it. */
+  #followsClient = false
   /** Requests waiting, per channel; the last one gone unsubscribes from it. */
   readonly #waiters = new KeyWaiters((channel) => {
     void this.#subscriber?.then((connection) => connection.unsubscribe(channel)).catch(() => {})
@@ -150,7 +152,12 @@ export class RedisStorage implements IdempotencyStorage {
   async waitFor (key: string, timeout: number): Promise<void> {
     const redisKey = this.redisKey(key)
     const channel = this.#keyPrefix + channelOf(redisKey)
-    const subscriber = this.#subscriber ??= this.#subscribe()
+    let subscriber = this.#subscriber
+    if (subscriber === null) {
+      const opening = subscriber = this.#subscriber = this.#subscribe()
+      // One that could not be opened is not kept: the next wait tries again.
+      opening.catch(() => { if (this.#subscriber === opening) this.#subscriber = null })
+    }
     const first = !this.#waiters.has(channel)
     const waiter = this.#waiters.add(channel, timeout)
     void this.#watch(subscriber, first, channel, redisKey, waiter)
@@ -191,8 +198,23 @@ export class RedisStorage implements IdempotencyStorage {
     if (subscriber !== null) (await subscriber.catch(() => null))?.disconnect()
   }
 
+  /**
+   * The subscriber connection, a duplicate of the client, lives as long as the client: when the
+   * client ends (its owner quits it, as @fastify/redis does when the app closes), so does the
+   * subscriber, so that it never holds a process open that its owner has closed. Nothing else in
+   * an app knows that this connection exists.
+   */
   async #subscribe (): Promise<Subscriber> {
-    const connection = (this.#commands.client as Redis).duplicate() as Subscriber
+    const client = this.#commands.client as Redis
+    if (client.status === 'end') throw new Error('RedisStorage: the client has been closed')
+    if (!this.#followsClient) {
+      this.#followsClient = true
+      client.once('end', () => {
+        this.#followsClient = false
+        void this.close()
+      })
+    }
+    const connection = client.duplicate() as Subscriber
     connection.on('message', (channel: unknown) => { this.#waiters.wake(String(channel)) })
     // A broken subscriber fails the waits in progress (the plugin then polls) and is replaced on
     // the next wait; its errors must not go unhandled.

@@ -1,0 +1,30 @@
+/**
+ * Wait mode on RedisStorage opens a subscriber connection (a duplicate of the client) on the first
+ * wait. Once the app is closed (or, outside the plugin, once the client is quit), nothing of it
+ * may hold the process open: each program below waits, closes, and must end by itself. The same
+ * with a Cluster is in storage-redis-cluster.test.ts.
+ */
+import { afterAll, describe, expect, it } from 'vitest'
+import { Redis } from 'ioredis'
+import { REDIS, deleteRedisPrefix, service } from './helpers/services.js'
+import { runWaitExit } from './helpers/redis-wait-exit.js'
+
+const redis = await service(REDIS)
+const PREFIX = `test:redis-exit:${process.pid}:${Date.now()}:`
+
+describe.skipIf(!redis.available)('a process that used RedisStorage\'s wait mode ends by itself once closed' + redis.reason, () => {
+  afterAll(async () => {
+    const client = new Redis({ host: REDIS.host, port: REDIS.port })
+    await deleteRedisPrefix(client, PREFIX)
+    await client.quit()
+  })
+
+  for (const mode of ['fastify-redis', 'own-client', 'outside']) {
+    it(mode === 'outside' ? 'the store used without the plugin, its client quit' : `the plugin, on ${mode === 'fastify-redis' ? '@fastify/redis\'s client' : 'a client the app quits in onClose'}`, async () => {
+      const run = await runWaitExit({ MODE: mode, REDIS_HOST: REDIS.host, REDIS_PORT: String(REDIS.port), PREFIX: `${PREFIX}${mode}:` })
+      if (mode !== 'outside') expect(run.stdout, run.stderr).toContain('REPLAYED true')
+      expect(run.exitedByItself, `${run.stdout}${run.stderr}`).toBe(true)
+      expect(run.code).toBe(0)
+    })
+  }
+})
