@@ -69,6 +69,8 @@ describe('the packed package', () => {
     expect(files).toContain('package/LICENSE')
     expect(readFileSync(join(installed, 'LICENSE'), 'utf8')).toMatch(/^MIT License\n\nCopyright \(c\) \d{4} The fastify-idempotency contributors\n/)
     expect(files).toContain('package/docs/benchmarks.md')
+    expect(files).toContain('package/docs/diagrams/request-sequence.svg')
+    expect(files.filter((file) => file.endsWith('.mmd'))).toEqual([])
     for (const contributors of ['package/docs/architecture.md', 'package/CONTRIBUTING.md']) expect(files).not.toContain(contributors)
     expect(files.some((file) => /^package\/(bench|examples|scripts|\.ci)\//.test(file) || file.startsWith('package/dist/cli/'))).toBe(false)
   })
