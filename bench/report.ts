@@ -365,7 +365,7 @@ export function latestMarkdown (results: BenchResults): string {
 
 // ------------------------------------------------------------------------------------------- SVG
 
-function escapeXml (text: string): string {
+export function escapeXml (text: string): string {
   return text.replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;').replace(/"/g, '&quot;')
 }
 
@@ -508,6 +508,11 @@ const REPRODUCE = [
 export function benchmarksDoc (results: BenchResults): string {
   return [
     '# Benchmarks',
+    '',
+    '![What a request costs: server CPU time per request and latency, on each store, against the bare route and the peers](benchmark-cost.svg)',
+    '',
+    'What a request costs with the plugin on each store, against the bare route and the peers: the server\'s CPU time per request (the part the bare route costs, and what the idempotency layer adds to it) and the latency. ' +
+      'Throughput relative to each store\'s floor, the least any idempotency layer on that store must do:',
     '',
     '![Throughput of each scenario relative to its floor or baseline](benchmark-chart.svg)',
     '',

@@ -5,7 +5,7 @@
  * every workload against every scenario with autocannon from this process, the order of the
  * scenarios rotated between rounds, and stops them. Then the memory check (bench/memory.ts),
  * the summary (bench/report.ts) and the outputs: bench/results/latest.json and latest.md,
- * docs/benchmark-chart.svg, docs/benchmarks.md and bench/REPORT.md. See bench/README.md.
+ * docs/benchmark-chart.svg, docs/benchmark-cost.svg, docs/benchmarks.md and bench/REPORT.md. See bench/README.md.
  */
 import { copyFileSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { cpus, loadavg, tmpdir, totalmem } from 'node:os'
@@ -19,6 +19,7 @@ import { benchEnv } from './scenarios/common.js'
 import { SCENARIOS, WORKLOADS, scenario as scenarioInfo, type ScenarioInfo, type Workload } from './scenarios/index.js'
 import { workloadRequests } from './workloads.js'
 import { removeRedisKeys, REPO_ROOT, runMemoryCheck, ServerProcess } from './processes.js'
+import { costChartSvg } from './cost-chart.js'
 import { benchmarksDoc, chartSvg, comparePeers, evaluateBars, latestMarkdown, markdownTable, reportDoc, runIssues, summarize } from './report.js'
 import { formatProfile, summarizeProfile } from './profile.js'
 import type { BenchResults, MachineInfo, RunRecord } from './results-types.js'
@@ -65,7 +66,7 @@ if (args.help) {
   --no-memory             skip the memory check
   --memory-requests N     requests for the memory check (quick 100,000, full 1,000,000)
   --dist                  load the plugin from dist/ (run \`npm run build\` first) instead of lib/
-  --report-only           rebuild latest.md, the chart, docs/benchmarks.md and bench/REPORT.md from latest.json
+  --report-only           rebuild latest.md, the charts, docs/benchmarks.md and bench/REPORT.md from latest.json
   --profile s:W[,s:W]     run each scenario:workload alone under --cpu-prof and print its hot spots
   --profile-duration S    seconds of load while profiling (10)
   --profile-warmup S      seconds of the same workload before the profiled part (0; e.g. 20 for memory:NEW
@@ -258,6 +259,7 @@ function writeOutputs (results: BenchResults): void {
   writeFileSync(join(RESULTS_DIR, 'latest.md'), latestMarkdown(results))
   mkdirSync(DOCS_DIR, { recursive: true })
   writeFileSync(join(DOCS_DIR, 'benchmark-chart.svg'), chartSvg(results))
+  writeFileSync(join(DOCS_DIR, 'benchmark-cost.svg'), costChartSvg(results))
   writeFileSync(join(DOCS_DIR, 'benchmarks.md'), benchmarksDoc(results))
   writeFileSync(join(REPO_ROOT, 'bench', 'REPORT.md'), reportDoc(results, NOTES))
 }
@@ -438,7 +440,7 @@ async function benchmark (): Promise<void> {
     log('partial run (--only/--workloads): nothing written')
   } else {
     writeOutputs(results)
-    log('wrote bench/results/latest.json, bench/results/latest.md, docs/benchmark-chart.svg, docs/benchmarks.md, bench/REPORT.md')
+    log('wrote bench/results/latest.json, bench/results/latest.md, docs/benchmark-chart.svg, docs/benchmark-cost.svg, docs/benchmarks.md, bench/REPORT.md')
   }
   printConclusions(results)
 }
