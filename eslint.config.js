@@ -3,7 +3,7 @@ import neostandard from 'neostandard'
 export default [
   ...neostandard({
     ts: true,
-    ignores: ['dist/**', 'coverage/**', 'bench/results/**', '.tmp/**']
+    ignores: ['dist/**', 'coverage/**', 'bench/results/**', '.tmp/**', 'docs/api/**']
   }),
   {
     rules: {

@@ -5,6 +5,7 @@
  */
 import diagnostics from 'node:diagnostics_channel'
 
+/** What happened to a guarded request: one diagnostics channel each. */
 export type IdempotencyOutcome =
   /** The request took the lease and its handler ran; `stored` says whether its response was kept. */
   | 'execute'
@@ -31,10 +32,13 @@ export type IdempotencyOutcome =
   /** A recovery point returned the result recorded by an earlier run, without running; `step` names it. */
   | 'step-replay'
 
+/** What a channel of `channels` publishes for one guarded request. */
 export interface IdempotencyEvent {
+  /** What happened. */
   outcome: IdempotencyOutcome
   /** The client's key (unscoped). */
   idempotencyKey: string
+  /** The HTTP method, or `RUN` for `run(key, input, fn)`. */
   method: string
   /** The route pattern, e.g. `/orders/:id`. */
   route: string
@@ -42,19 +46,24 @@ export interface IdempotencyEvent {
   store: string
   /** Milliseconds since the plugin started on this request (first store call). */
   durationMs: number
+  /** The response's status code, when there is one. */
   statusCode?: number
+  /** execute: whether the response was stored. */
   stored?: boolean
   /** Stored without its body (too large, a hijacked reply): the outcome only. */
   bodyOmitted?: boolean
   /** Why an executed request's response was not stored; `declined`: the route's `storeIf` returned false. */
   reason?: 'failed' | 'not-cacheable' | 'declined' | 'too-large' | 'interrupted' | 'hijacked' | 'lease-lost' | 'store-error'
+  /** wait: how long the duplicate waited, ms. */
   waitedMs?: number
   /**
    * Where it happened; `max-hold`: renewal stopped because the request held its key for
    * `maxLockHold`; `close`: the app closed before the request's response was stored.
    */
   phase?: 'begin' | 'complete' | 'release' | 'renew' | 'max-hold' | 'close'
+  /** store-error: whether the handler ran anyway (`failOpen`). */
   failOpen?: boolean
+  /** The error, when one caused the outcome. */
   error?: unknown
   /** The recovery point's name (step-run, step-replay). */
   step?: string
@@ -75,6 +84,7 @@ export type IdempotencyOperation = 'inspect' | 'forget' | 'in-flight' | 'purge'
 
 /** What an operation reports, for an audit: who did what to which key, and how it ended. */
 export interface IdempotencyOperationEvent {
+  /** Which operation. */
   operation: IdempotencyOperation
   /** Who asked: the call's `actor` option, or the command's user; `null` when nobody said. */
   actor: string | null
@@ -88,20 +98,25 @@ export interface IdempotencyOperationEvent {
   scope?: string | null
   /** inspect: what was found; `body`: whether the body was read. */
   state?: 'absent' | 'in-flight' | 'stored'
+  /** inspect: whether the body was read. */
   body?: boolean
   /** forget: whether a key in flight was to be removed too. */
   force?: boolean
   /** forget: `forgotten` or `refused`; what was under the key; how many recovery-point records went. */
   outcome?: 'forgotten' | 'refused'
+  /** forget: what was under the key. */
   previous?: 'absent' | 'in-flight' | 'stored'
+  /** forget: how many recovery-point records went. */
   recoveryPoints?: number
   /** in-flight: how many leases were listed, and whether that is all of them. */
   listed?: number
+  /** in-flight: whether the leases listed are all of them. */
   complete?: boolean
   /** purge: how many expired entries went. */
   purged?: number
   /** The operation failed (the store is down, say), or the store does not offer it. */
   error?: unknown
+  /** How long the operation took, ms. */
   durationMs: number
 }
 

@@ -20,6 +20,10 @@ import { LRUCache } from 'lru-cache'
 import type { StoredResponse } from './storage/types.js'
 import { UnreadableEntryError } from './storage/unreadable-entry.js'
 
+/**
+ * The `encryption` option: stored responses sealed with AES-256-GCM, keys hashed with HMAC-SHA-256
+ * (docs/security.md).
+ */
 export interface EncryptionOptions {
   /**
    * 32-byte AES-256 keys, as Buffers or base64 strings. The first seals new entries; each of them

@@ -4,6 +4,7 @@ import { isIdempotencyError, type IdempotencyError } from './errors.js'
 /** An error handler as `setErrorHandler` takes it. */
 export type ErrorHandler = (this: FastifyInstance, error: FastifyError, request: FastifyRequest, reply: FastifyReply) => unknown
 
+/** Options of `idempotencyErrorHandler`. */
 export interface IdempotencyErrorHandlerOptions {
   /** Handles every error that is not the plugin's. Without it, Fastify's own handling applies. */
   fallback?: ErrorHandler
@@ -11,13 +12,22 @@ export interface IdempotencyErrorHandlerOptions {
 
 /** The RFC 9457 problem details body for one of the plugin's errors. */
 export interface IdempotencyProblem {
+  /** The problem type: a URI naming the error, its section in docs/errors.md. */
   type: string
+  /** A short summary, the same for every problem of the type. */
   title: string
+  /** The HTTP status code, as sent. */
   status: number
+  /** What happened to this request. */
   detail: string
+  /** The client's `Idempotency-Key`, when the request had one. */
   idempotencyKey?: string
 }
 
+/**
+ * The RFC 9457 body for one of the plugin's errors, for an error handler of your own that answers
+ * in problem+json.
+ */
 export function toProblem (error: IdempotencyError): IdempotencyProblem {
   const problem: IdempotencyProblem = { type: error.type, title: error.title, status: error.statusCode, detail: error.message }
   if (error.idempotencyKey !== undefined) problem.idempotencyKey = error.idempotencyKey

@@ -22,6 +22,11 @@ function retryAfterHeaders (seconds: number): Record<string, string> {
   return { ...RETRY, 'retry-after': String(Math.max(1, Math.ceil(seconds))), 'retry-after-ms': String(Math.max(0, Math.round(seconds * 1000))) }
 }
 
+/**
+ * The base class of the plugin's errors: each carries its problem `type`, `title`, HTTP
+ * `statusCode`, `code` and the headers its answer needs (see docs/errors.md). `isIdempotencyError`
+ * recognizes them across bundles and module formats.
+ */
 export abstract class IdempotencyError extends Error {
   /** Problem `type`: an absolute URI of this error's documentation. */
   static readonly type: string = `${PROBLEM_TYPE_BASE}#idempotency-errors`

@@ -1,4 +1,11 @@
 /**
+ * The plugin (the default export), `idempotencyErrorHandler`, `MemoryStorage`, the errors with
+ * their type guards, the diagnostics channels, and the types of the options and of the storage
+ * interface. See docs/README.md.
+ *
+ * @module fastify-idempotency
+ */
+/**
  * fastify-idempotency: the plugin. Options are normalized once here; `onRoute` gives each route
  * that sets `config.idempotency` its own hooks, and routes without it carry none.
  */
@@ -160,6 +167,7 @@ export type {
   Inspection,
   InFlightInspection,
   KeyOptions,
+  KeyRef,
   OperationOptions,
   StoredInspection
 } from './operations/index.js'
@@ -182,6 +190,7 @@ export type {
   StorageTransaction,
   StoredCompleted,
   StoredInFlight,
+  StoredAbsent,
   StoredResponse,
   StoredState,
   StorageForgetOptions,

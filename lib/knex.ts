@@ -1,6 +1,8 @@
 /**
  * `fastify-idempotency/knex`: KnexStorage (PostgreSQL, MySQL/MariaDB, SQLite), its table's
  * schema functions for migrations, and `transactionOf` for handlers in transaction mode.
+ *
+ * @module fastify-idempotency/knex
  */
 import type { FastifyRequest } from 'fastify'
 import type { Knex } from 'knex'

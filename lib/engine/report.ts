@@ -8,8 +8,11 @@ import type { RequestState } from './request-state.js'
 
 /** The part of a pino logger the engine writes to (Fastify's `request.log`). */
 export interface Logger {
+  /** Logs at `debug` level. */
   debug: (object: object, message: string) => void
+  /** Logs at `warn` level. */
   warn: (object: object, message: string) => void
+  /** Logs at `error` level. */
   error: (object: object, message: string) => void
 }
 

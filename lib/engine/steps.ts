@@ -41,6 +41,10 @@ export interface StepContext {
   readonly transaction: unknown
 }
 
+/**
+ * A recovery point's function for `request.idempotency.step(name, fn)`: its result is recorded and
+ * a retry gets it back without running it again (docs/recovery-points.md).
+ */
 export type StepFunction<T> = (context: StepContext) => T | Promise<T>
 
 /** Marks a step's storage key: apart from every request key (see storage-key.ts). */

@@ -12,6 +12,7 @@ import { shareIdentity } from '../storage/error-identity.js'
 
 /** A store call that did not answer within `storeTimeout`. */
 export class StoreTimeoutError extends Error {
+  /** Fastify's error code. */
   readonly code = 'FST_IDEMPOTENCY_STORE_TIMEOUT'
   constructor (operation: string, timeout: number) {
     super(`fastify-idempotency: the store did not answer ${operation} within ${timeout} ms (storeTimeout)`)

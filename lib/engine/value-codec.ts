@@ -33,7 +33,9 @@ export const RESULT_ENCODING = {
 
 /** A caller's own way to keep its results: what `serialize` writes, `deserialize` reads back. */
 export interface ValueCodec<T = unknown> {
+  /** Turns a result into the bytes to store. */
   serialize: (value: T) => string | Buffer | Uint8Array
+  /** Reads a stored result back from its bytes. */
   deserialize: (data: Buffer) => T
 }
 

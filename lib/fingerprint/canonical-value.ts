@@ -35,6 +35,7 @@ export const MAX_DEPTH = 1000
 
 /** The client's body is nested more than MAX_DEPTH levels deep. */
 export class BodyNestedTooDeeplyError extends Error {
+  /** Fastify's error code. */
   readonly code = 'FST_IDEMPOTENCY_BODY_TOO_DEEP'
   constructor () {
     super(`the body is nested more than ${MAX_DEPTH} levels deep`)

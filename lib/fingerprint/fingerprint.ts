@@ -29,7 +29,12 @@ export interface FingerprintOptions {
    * as they came over the wire, before any parser: for uploads read by the handler (multipart in
    * stream mode) and custom parsers.
    */
-  body?: boolean | 'raw' | { include?: string[], exclude?: string[] }
+  body?: boolean | 'raw' | {
+    /** JSON Pointers of the members that count; the rest is left out. */
+    include?: string[]
+    /** JSON Pointers of the members left out; the rest counts. */
+    exclude?: string[]
+  }
   /** The HTTP method (default `false`). */
   method?: boolean
   /** The request path, without the query string (default `false`). */

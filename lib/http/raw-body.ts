@@ -227,7 +227,9 @@ function readable (raw: Readable): Promise<void> {
 
 /** The body outgrew the route's limit while the plugin read it for its fingerprint. */
 export class BodyTooLargeError extends Error {
+  /** 413 Content Too Large. */
   readonly statusCode = 413
+  /** Fastify's own code for a body over `bodyLimit`. */
   readonly code = 'FST_ERR_CTP_BODY_TOO_LARGE'
   constructor (limit: number) {
     super(`Request body is too large: over ${limit} bytes`)

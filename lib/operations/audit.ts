@@ -52,7 +52,9 @@ export class Audit {
 
 /** The part of a pino logger (Fastify's `fastify.log`) an audit line goes to. */
 export interface AuditLogger {
+  /** Logs at `info` level. */
   info: (object: object, message: string) => void
+  /** Logs at `error` level. */
   error: (object: object, message: string) => void
 }
 

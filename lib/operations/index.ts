@@ -28,6 +28,7 @@ export interface OperationOptions {
   actor?: string
 }
 
+/** What an operation on one key is told. */
 export interface KeyOptions extends OperationOptions {
   /**
    * The scope, as the app's `scope(request)` returns it for the client; omit it when the app has
@@ -39,19 +40,32 @@ export interface KeyOptions extends OperationOptions {
 
 /** The key and scope an operation was given. */
 export interface KeyRef {
+  /** The client's key, unquoted. */
   key: string
+  /** The scope given, or `null`. */
   scope: string | null
 }
 
 /** What the fingerprint says: the string as stored, and the option set it was computed with where it tells (`null` otherwise). */
 export interface FingerprintInfo {
+  /** The fingerprint as stored. */
   fingerprint: string
+  /**
+   * The fingerprint options it was computed with, where the fingerprint tells them; `null`
+   * otherwise.
+   */
   fingerprintOptions: FingerprintOptions | null
 }
 
-export type Inspection = (KeyRef & { state: 'absent' }) | InFlightInspection | StoredInspection
+/** What `inspect` found under a key: nothing, a request in flight, or a stored response. */
+export type Inspection = (KeyRef & {
+  /** Nothing live under the key: never used, expired, or forgotten. */
+  state: 'absent'
+}) | InFlightInspection | StoredInspection
 
+/** A request holds the key's lease now. */
 export interface InFlightInspection extends KeyRef, FingerprintInfo {
+  /** Discriminant. */
   state: 'in-flight'
   /** When the lease was taken, epoch ms; `null` when the store does not know. */
   since: number | null
@@ -59,15 +73,21 @@ export interface InFlightInspection extends KeyRef, FingerprintInfo {
   lockExpiresAt: number
 }
 
+/** A stored response, replayed to a retry until `expiresAt`. */
 export interface StoredInspection extends KeyRef, FingerprintInfo {
+  /** Discriminant. */
   state: 'stored'
+  /** The stored response's status code. */
   statusCode: number
   /** When it was stored, epoch ms; `null` when the store does not know (an entry of an earlier version). */
   storedAt: number | null
+  /** When it expires, epoch ms. */
   expiresAt: number
   /** The following are `null` when a sealed entry cannot be opened (see `unreadable`). */
   contentType: string | null
+  /** The stored response's replayed headers. */
   headers: Record<string, string | string[]> | null
+  /** The stored body's size in bytes. */
   bodyBytes: number | null
   /** The handler answered, but its body was not kept (too large, a stream): the outcome alone is replayed. */
   bodyOmitted: boolean | null
@@ -77,6 +97,7 @@ export interface StoredInspection extends KeyRef, FingerprintInfo {
   unreadable?: string
 }
 
+/** What `forget` is told. */
 export interface ForgetOptions extends KeyOptions {
   /**
    * Remove a key in flight too. Its request's handler keeps running, but its response is not
@@ -85,10 +106,24 @@ export interface ForgetOptions extends KeyOptions {
   force?: boolean
 }
 
+/** What `forget` did: the key forgotten, or refused because it is in flight (without `force`). */
 export type ForgetResult =
-  | (KeyRef & { outcome: 'forgotten', previous: 'absent' | 'in-flight' | 'stored', recoveryPoints: number })
-  | (KeyRef & { outcome: 'refused', lockExpiresAt: number })
+  | (KeyRef & {
+    /** The key went: it runs afresh on its next request. */
+    outcome: 'forgotten'
+    /** What was under the key. */
+    previous: 'absent' | 'in-flight' | 'stored'
+    /** How many recovery-point records went with it. */
+    recoveryPoints: number
+  })
+  | (KeyRef & {
+    /** The key is in flight and `force` was not set: nothing changed. */
+    outcome: 'refused'
+    /** When the lease lapses unless its holder renews it, epoch ms. */
+    lockExpiresAt: number
+  })
 
+/** What `inFlight` is told. */
 export interface InFlightOptions extends OperationOptions {
   /** Only leases held for longer than this: milliseconds, or a duration such as `'5m'`. */
   olderThan?: number | string
@@ -96,19 +131,25 @@ export interface InFlightOptions extends OperationOptions {
   limit?: number
 }
 
+/** One lease held now, as `inFlight` lists it. */
 export interface HeldKey extends FingerprintInfo {
   /** The client's key and scope; `null` when the store holds a hash of them (a long key, or encryption). */
   key: string | null
+  /** The scope, or `null` (no scope, or the store holds a hash). */
   scope: string | null
   /** The key as the store holds it. */
   storageKey: string
+  /** When the lease was taken, epoch ms; `null` when the store does not know. */
   since: number | null
   /** How long the lease has been held, ms; `null` when its start is unknown. */
   heldMs: number | null
+  /** When the lease lapses unless its holder renews it, epoch ms. */
   lockExpiresAt: number
 }
 
+/** What `inFlight` returns. */
 export interface InFlightListing {
+  /** The leases, oldest first, at most `limit`. */
   leases: HeldKey[]
   /** `false` when there may be more than those listed (over the limit, or a store that lists a bounded part). */
   complete: boolean
@@ -116,6 +157,7 @@ export interface InFlightListing {
 
 /** The store does not offer the operation (a custom store without the optional method). */
 export class IdempotencyOperationNotSupportedError extends Error {
+  /** The operation the store does not offer. */
   readonly operation: string
   constructor (operation: string, store: string, method: string) {
     const needless = method === 'purgeExpired' ? '; a store that drops expired entries itself, as MemoryStorage and RedisStorage do, needs none' : ''
@@ -145,7 +187,10 @@ export interface IdempotencyOperations {
   /** The leases held now, oldest first. */
   inFlight: (options?: InFlightOptions) => Promise<InFlightListing>
   /** Delete expired entries, where the store needs it. */
-  purge: (options?: OperationOptions) => Promise<{ purged: number }>
+  purge: (options?: OperationOptions) => Promise<{
+    /** How many expired entries went. */
+    purged: number
+  }>
 }
 
 export class KeyOperations implements IdempotencyOperations {

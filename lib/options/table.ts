@@ -13,6 +13,7 @@ import { anything, boolean, duration, fingerprintSchema, invalid, statusCodes, t
 import type { IdempotencyOptions, IdempotencyRouteOptions } from './types.js'
 
 /**
+ * The status codes whose responses are stored by default (`cacheableStatusCodes`).
  * 302 and 303 are the answers of Post/Redirect/Get (`reply.redirect` sends 302): the operation
  * was done and the client is sent to its result, so a retry whose redirect was lost must get the
  * redirect, not run the operation again. 301, 307 and 308 say "do it elsewhere": not kept.

@@ -41,6 +41,10 @@ export interface RunContext {
   step: <T>(name: string, fn: StepFunction<T>) => Promise<T>
 }
 
+/**
+ * The work `run(key, input, fn)` guards: it runs once per key and input, and its result is kept for
+ * retries (docs/jobs.md).
+ */
 export type RunFunction<T> = (context: RunContext) => T | Promise<T>
 
 /** The method name in events and logs: a function run is not an HTTP request. */

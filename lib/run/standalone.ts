@@ -40,6 +40,11 @@ const consoleLogger: Logger & AuditLogger = {
   error: (fields, message) => { console.error(`fastify-idempotency: ${message}`, fields) }
 }
 
+/**
+ * The engine without Fastify: `createIdempotency({ storage }).run(key, input, fn)` runs `fn` once
+ * per key and input, keeps its result for retries, and offers the operations on stored keys
+ * (docs/jobs.md).
+ */
 export function createIdempotency (options: StandaloneOptions = {}): StandaloneIdempotency {
   const { logger = consoleLogger, closeTimeout: closeOption, ...rest } = options
   const closeTimeout = closeOption === undefined ? DEFAULT_CLOSE_TIMEOUT : toMilliseconds(closeOption, 'closeTimeout', 'createIdempotency options')

@@ -11,6 +11,8 @@
  * mocha or node:test alike, and asserts with node:assert. The optional methods are tested when the
  * options say the store offers them (`waitFor`, and the operations methods `inspect`, `forget`,
  * `listInFlight` in `operations`); the tests of the others are reported as skipped, with the reason.
+ *
+ * @module fastify-idempotency/conformance
  */
 import assert from 'node:assert/strict'
 import { setTimeout as sleep } from 'node:timers/promises'
@@ -19,16 +21,29 @@ import type { BeginResult, IdempotencyStorage, StoredResponse, StoredState } fro
 
 export type { ConformanceOperation }
 
-type TestFn = () => Promise<void> | void
-type Register = (name: string, fn: TestFn, timeout?: number) => void
+/** A test's or a hook's body, as test runners take it. */
+export type TestFn = () => Promise<void> | void
+/** A test runner's `it` (or `test`): a named test, with an optional timeout in ms. */
+export type Register = (name: string, fn: TestFn, timeout?: number) => void
+
+/**
+ * The test runner's functions the suite registers its tests with (vitest, jest, mocha, node:test).
+ */
 export interface ConformanceHarness {
+  /** Groups tests under a name. */
   describe: (name: string, fn: () => void) => void
   /** With `it.skip` (vitest, jest, mocha and node:test have it), tests of optional methods a store does not offer are reported as skipped. */
-  it: Register & { skip?: Register }
+  it: Register & {
+    /** Registers a test reported as skipped. */
+    skip?: Register
+  }
+  /** Runs before each test. */
   beforeEach: (fn: TestFn) => void
+  /** Runs once after the suite's tests. */
   afterAll: (fn: TestFn) => void
 }
 
+/** What the suite is told about the store under test. */
 export interface ConformanceOptions {
   /**
    * Milliseconds used as a short lease or expiration in the lapse tests. The suite sleeps a
@@ -109,6 +124,10 @@ function expectCompleted (result: BeginResult | StoredState, fingerprint: string
   assert.equal(result.response.bodyOmitted === true, response.bodyOmitted === true, 'bodyOmitted must come back as stored')
 }
 
+/**
+ * Registers the storage conformance suite for a store: `factory` makes a fresh store for each test.
+ * Every store of this package passes it; a custom store should too (docs/stores/custom.md).
+ */
 export function storageConformance (
   name: string,
   factory: () => IdempotencyStorage | Promise<IdempotencyStorage>,

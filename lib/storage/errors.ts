@@ -11,6 +11,7 @@ import { shareIdentity } from './error-identity.js'
  * (takeovers racing expiry). A retry normally succeeds.
  */
 export class StoreContentionError extends Error {
+  /** Fastify's error code. */
   readonly code = 'FST_IDEMPOTENCY_STORE_CONTENTION'
   constructor (message: string) {
     super(message)

@@ -4,6 +4,7 @@ import { TokenGenerator, tokenIssuedAt } from './tokens.js'
 import type { BeginResult, StorageForgetOptions, StorageForgetResult, HeldLease, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from './types.js'
 import { KeyWaiters } from './waiters.js'
 
+/** Options of `new MemoryStorage()`: its bounds (docs/stores/memory.md). */
 export interface MemoryStorageOptions {
   /** Most stored responses kept; the least recently used goes first. Default 100 000. */
   maxEntries?: number

@@ -31,6 +31,7 @@ export interface StoredResponse {
 
 /** The key was free (or its previous lease or entry had lapsed): the caller now holds the lease. */
 export interface BeginAcquired {
+  /** Discriminant: the caller now holds the lease. */
   state: 'acquired'
   /** Fencing token: `complete`, `release` and `renew` only act while this token holds the lease. */
   token: string
@@ -38,6 +39,7 @@ export interface BeginAcquired {
 
 /** Another request holds the lease for this key. */
 export interface BeginInFlight {
+  /** Discriminant: another request holds the lease. */
   state: 'in-flight'
   /** Fingerprint of the request that holds the lease. */
   fingerprint: string
@@ -47,14 +49,22 @@ export interface BeginInFlight {
 
 /** A live stored response exists for this key. */
 export interface BeginCompleted {
+  /** Discriminant: a live stored response exists. */
   state: 'completed'
   /** Fingerprint of the request whose response was stored. */
   fingerprint: string
+  /** The stored response, to replay. */
   response: StoredResponse
 }
 
+/** What `begin` found or did: the lease taken, the key in flight, or a stored response. */
 export type BeginResult = BeginAcquired | BeginInFlight | BeginCompleted
 
+/**
+ * The contract every store implements: MemoryStorage, RedisStorage, KnexStorage, or your own (see
+ * docs/stores/custom.md). `begin` is one atomic step; `complete`, `release` and `renew` act only
+ * while the caller's fencing token holds the lease.
+ */
 export interface IdempotencyStorage {
   /**
    * One atomic step: return the live stored response, or report the key in flight, or take the
@@ -122,11 +132,13 @@ export type StoredState = StoredAbsent | StoredInFlight | StoredCompleted
 
 /** Nothing live under the key: never used, expired, released or forgotten. */
 export interface StoredAbsent {
+  /** Discriminant: nothing live under the key. */
   state: 'absent'
 }
 
 /** A request holds the lease. */
 export interface StoredInFlight {
+  /** Discriminant: a request holds the lease. */
   state: 'in-flight'
   /** Fingerprint of the request that holds the lease. */
   fingerprint: string
@@ -138,8 +150,11 @@ export interface StoredInFlight {
 
 /** A stored response, as `begin` would replay it. */
 export interface StoredCompleted {
+  /** Discriminant: a stored response. */
   state: 'completed'
+  /** Fingerprint of the request whose response was stored. */
   fingerprint: string
+  /** The stored response. */
   response: StoredResponse
   /** When it was stored, epoch ms, or `null` when the store does not know (an entry stored by an earlier version). */
   storedAt: number | null
@@ -147,6 +162,7 @@ export interface StoredCompleted {
   expiresAt: number
 }
 
+/** What `forget` is told: whether a live lease goes too, and which related keys go with the key. */
 export interface StorageForgetOptions {
   /** Remove a live lease too (a request in flight). */
   force: boolean
@@ -154,23 +170,41 @@ export interface StorageForgetOptions {
   relatedPrefix: string
 }
 
+/**
+ * What `forget` did: removed the key (and what was under it), or refused because the key is in
+ * flight.
+ */
 export type StorageForgetResult =
-  /** Removed; `previous` says what was under the key, `related` how many related keys went. */
-  | { outcome: 'forgotten', previous: 'completed' | 'in-flight' | 'absent', related: number }
-  /** The key is in flight and `force` was not set: nothing was changed. */
-  | { outcome: 'refused', lockExpiresAt: number }
+  | {
+    /** Removed. */
+    outcome: 'forgotten'
+    /** What was under the key. */
+    previous: 'completed' | 'in-flight' | 'absent'
+    /** How many related keys (starting with `relatedPrefix`) went. */
+    related: number
+  }
+  | {
+    /** The key is in flight and `force` was not set: nothing was changed. */
+    outcome: 'refused'
+    /** When the lease lapses unless renewed, epoch ms. */
+    lockExpiresAt: number
+  }
 
 /** One live lease, as `listInFlight` lists it. */
 export interface HeldLease {
   /** The key as the store was given it. */
   key: string
+  /** Fingerprint of the request that holds the lease. */
   fingerprint: string
+  /** When the lease lapses unless renewed, epoch ms. */
   lockExpiresAt: number
   /** When the lease was taken, epoch ms, or `null` when the store does not know. */
   since: number | null
 }
 
+/** What `listInFlight` returns: the live leases it found, and whether that is all of them. */
 export interface LeaseListing {
+  /** The live leases, in no particular order. */
   leases: HeldLease[]
   /** `false` when there may be leases that are not listed. */
   complete: boolean
@@ -186,12 +220,15 @@ export interface StorageTransaction {
   readonly handle: unknown
   /** Store the response inside the transaction, fenced by `token`; `false` when the lease was lost. */
   complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean>
+  /** Commit the handler's writes and the stored response together. */
   commit (): Promise<void>
+  /** Roll back the handler's writes; nothing is stored. */
   rollback (): Promise<void>
 }
 
 /** A provider that can open a StorageTransaction (KnexStorage). */
 export interface TransactionalStorage extends IdempotencyStorage {
+  /** Open a transaction for one request's handler writes and its stored response. */
   transaction (): Promise<StorageTransaction>
   /**
    * An open transaction holds the only connection (SQLite through knex), so no second

@@ -11,6 +11,7 @@
 import { createHash } from 'node:crypto'
 import type { Knex } from 'knex'
 
+/** The table KnexStorage uses unless `tableName` says otherwise. */
 export const DEFAULT_TABLE_NAME = 'idempotency_keys'
 
 /**

@@ -5,6 +5,7 @@ import type { Knex } from 'knex'
 import type { DialectOptions } from './dialect.js'
 import { DEFAULT_TABLE_NAME } from './schema.js'
 
+/** Options of `new KnexStorage()` (docs/stores/knex.md). */
 export interface KnexStorageOptions {
   /** A knex instance (pg, mysql2/mysql, better-sqlite3/sqlite3). Never destroyed by the storage. */
   knex: Knex
@@ -33,6 +34,7 @@ export interface KnexStorageOptions {
   preparedStatements?: boolean
 }
 
+/** Options of `KnexStorage.purgeExpired()`. */
 export interface PurgeExpiredOptions {
   /** Rows deleted per statement, so a large purge never holds long locks. Default 1000. */
   batchSize?: number

@@ -9,6 +9,7 @@ import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.
 import { RedisCommands } from './commands.js'
 import { END_LEASE, MARK_WAITING, RENEW } from './scripts.js'
 
+/** Options of `new RedisStorage()` (docs/stores/redis.md). */
 export interface RedisStorageOptions {
   /**
    * An ioredis `Redis` or `Cluster` client (`fastify.redis` from @fastify/redis works too). The
