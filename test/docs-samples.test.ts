@@ -22,11 +22,12 @@
  * printed, with `…` standing for any text. A run passes when it exits with 0 within the time limit
  * and every claim of the block appears in its output, in order.
  *
- * Samples that use Redis (ioredis, @fastify/redis) or PostgreSQL (`client: 'pg'`, DATABASE_URL)
- * run against the local services of test/helpers/services.ts, and are skipped with the reason when
- * one is down (a failure under CI=true). `DATABASE_URL` points at a PostgreSQL schema of this
- * run's own, dropped at the end, and the Redis keys that appear under the store's default prefix
- * while the samples run are deleted at the end.
+ * Samples that use Redis (ioredis, @fastify/redis, bullmq), PostgreSQL (`client: 'pg'`,
+ * DATABASE_URL), RabbitMQ (amqplib) or NATS (@nats-io/*) run against the local services of
+ * test/helpers/services.ts, and are skipped with the reason when one is down (a failure under
+ * CI=true); their queues and streams are named uniquely, since several suites run at once.
+ * `DATABASE_URL` points at a PostgreSQL schema of this run's own, dropped at the end, and the Redis
+ * keys that appear under the store's default prefix while the samples run are deleted at the end.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
@@ -35,7 +36,7 @@ import { Redis } from 'ioredis'
 import knexFactory, { type Knex } from 'knex'
 import { bundle } from './helpers/bundle.js'
 import { killChildren, runChild } from './helpers/child-run.js'
-import { MARIADB, POSTGRES, REDIS, pgConnection, service, type Availability, type ServiceConfig } from './helpers/services.js'
+import { MARIADB, NATS, POSTGRES, RABBITMQ, REDIS, pgConnection, service, type Availability, type ServiceConfig } from './helpers/services.js'
 
 const root = resolve(import.meta.dirname, '..')
 const work = join(root, '.tmp', `docs-samples-${process.pid}`)
@@ -129,6 +130,9 @@ function parsePage (page: string): Sample[] {
     if (/from '(ioredis|@fastify\/redis)'/.test(text)) needs.push(REDIS)
     if (/client: 'pg'|DATABASE_URL/.test(text)) needs.push(POSTGRES)
     if (/client: 'mysql2?'/.test(text)) needs.push(MARIADB)
+    if (/from 'amqplib'/.test(text)) needs.push(RABBITMQ)
+    if (/from '@nats-io\//.test(text)) needs.push(NATS)
+    if (/from 'bullmq'/.test(text) && !needs.includes(REDIS)) needs.push(REDIS)
 
     const sample: Sample = { page, line: fenceLine, id, code: body, fragment, noRun, context: fragment ? lastComplete : null, file, origin: [], needs }
     samples.push(sample)

@@ -16,10 +16,17 @@ export interface ServiceConfig {
 export const REDIS = { name: 'Redis', host: process.env.REDIS_HOST ?? '127.0.0.1', port: Number(process.env.REDIS_PORT ?? 6379) }
 export const POSTGRES = { name: 'PostgreSQL', host: process.env.PGHOST ?? '127.0.0.1', port: Number(process.env.PGPORT ?? 5432) }
 export const MARIADB = { name: 'MariaDB', host: process.env.MYSQL_HOST ?? '127.0.0.1', port: Number(process.env.MYSQL_PORT ?? 3306) }
+export const RABBITMQ = { name: 'RabbitMQ', host: process.env.RABBITMQ_HOST ?? '127.0.0.1', port: Number(process.env.RABBITMQ_PORT ?? 5672) }
+/** NATS with JetStream (`nats-server -js`). */
+export const NATS = { name: 'NATS', host: process.env.NATS_HOST ?? '127.0.0.1', port: Number(process.env.NATS_PORT ?? 4222) }
 
 /** knex connection settings for the shared servers (database `test`). */
 export const pgConnection = { host: POSTGRES.host, port: POSTGRES.port, user: process.env.PGUSER ?? 'postgres', database: process.env.PGDATABASE ?? 'test' }
 export const mysqlConnection = { host: MARIADB.host, port: MARIADB.port, user: process.env.MYSQL_USER ?? 'root', password: process.env.MYSQL_PASSWORD ?? '', database: process.env.MYSQL_DATABASE ?? 'test' }
+/** amqplib's URL for the shared RabbitMQ (user guest, the default virtual host). */
+export const amqpUrl = `amqp://${process.env.RABBITMQ_USER ?? 'guest'}:${process.env.RABBITMQ_PASSWORD ?? 'guest'}@${RABBITMQ.host}:${RABBITMQ.port}`
+/** The NATS client's `servers`. */
+export const natsServer = `${NATS.host}:${NATS.port}`
 
 export interface Availability {
   available: boolean
