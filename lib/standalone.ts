@@ -15,6 +15,8 @@ export { MemoryStorage } from './storage/memory.js'
 export {
   IdempotencyError,
   IdempotencyFingerprintMismatchError,
+  IdempotencyFingerprintUnsupportedError,
+  IdempotencyKeyInvalidError,
   IdempotencyRequestInProgressError,
   IdempotencyResultNotRecordedError,
   IdempotencyStoreUnavailableError,
