@@ -10,6 +10,7 @@ import { Queue } from 'bullmq'
 import { Redis } from 'ioredis'
 import { REDIS, deleteRedisPrefix, service } from './helpers/services.js'
 import { killWorkers, startWorker } from './helpers/workers.js'
+import { expectDocumented } from './helpers/recipes.js'
 
 const redisUp = await service(REDIS)
 const PREFIX = `recipes_bull_${process.pid}_${Date.now()}`
@@ -56,5 +57,9 @@ describe.skipIf(!redisUp.available)(`BullMQ recipe: a job whose worker is killed
     expect(done!.returnvalue).toEqual(result)
     // One attempt, the one that completed it: neither the stall nor the delay spent one.
     expect(done!.attemptsMade).toBe(1)
+  })
+
+  it('docs/jobs.md shows the processor this test runs', () => {
+    expectDocumented('bullmq-processor.ts')
   })
 })

@@ -14,6 +14,7 @@ import { dueAt, runScheduled } from '../examples/recipes/scheduled-job.js'
 import { Gate } from './helpers/gate.js'
 import { POSTGRES, pgConnection, service } from './helpers/services.js'
 import { killWorkers, startWorker, type Worker } from './helpers/workers.js'
+import { expectDocumented } from './helpers/recipes.js'
 
 const postgres = await service(POSTGRES)
 const run = `${process.pid}_${Date.now()}`
@@ -90,5 +91,9 @@ describe.skipIf(!postgres.available)(`Scheduled-job recipe: two instances fire a
     expect(dueAt(minute, due - 29_000)).toEqual(new Date(due))
     expect(dueAt(minute, due + 29_000)).toEqual(new Date(due))
     expect(dueAt(minute, due + 31_000)).toEqual(new Date(due + minute))
+  })
+
+  it('docs/jobs.md shows the function these tests run', () => {
+    expectDocumented('scheduled-job.ts')
   })
 })

@@ -11,6 +11,7 @@ import { connect, nanos, type NatsConnection } from '@nats-io/transport-node'
 import { Redis } from 'ioredis'
 import { NATS, REDIS, deleteRedisPrefix, natsServer, service } from './helpers/services.js'
 import { killWorkers, startWorker, type Worker } from './helpers/workers.js'
+import { expectDocumented } from './helpers/recipes.js'
 
 const nats = await service(NATS)
 const redisUp = await service(REDIS)
@@ -81,5 +82,9 @@ describe.skipIf(!nats.available || !redisUp.available)(`NATS JetStream recipe: t
     }
     expect(await redis.lrange(`${PREFIX}effects:${key}`, 0, -1)).toEqual([String(holder.pid)])
     expect(workers.flatMap((worker) => worker.lines.filter((line) => line.startsWith('WORKING')))).toEqual([`WORKING ${key}`])
+  })
+
+  it('docs/jobs.md shows the consumer this test runs', () => {
+    expectDocumented('nats-consumer.ts')
   })
 })

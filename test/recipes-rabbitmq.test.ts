@@ -11,6 +11,7 @@ import knexFactory, { type Knex } from 'knex'
 import { createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
 import { POSTGRES, RABBITMQ, amqpUrl, pgConnection, service } from './helpers/services.js'
 import { killWorkers, startWorker, type Worker } from './helpers/workers.js'
+import { expectDocumented } from './helpers/recipes.js'
 
 const rabbitmq = await service(RABBITMQ)
 const postgres = await service(POSTGRES)
@@ -132,5 +133,9 @@ describe.skipIf(!rabbitmq.available || !postgres.available)(`RabbitMQ recipe: on
     const survivor = await second
     await survivor.line(`ACK ${messageId} true`)
     expect((await ledger(orderId)).map((row) => row.pid)).toEqual([first.pid, survivor.pid])
+  })
+
+  it('docs/jobs.md shows the consumer these tests run', () => {
+    expectDocumented('rabbitmq-consumer.ts')
   })
 })

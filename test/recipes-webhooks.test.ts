@@ -14,6 +14,7 @@ import { KnexStorage, createIdempotencyTable, dropIdempotencyTable } from '../li
 import { createIdempotency, type StandaloneIdempotency } from '../lib/standalone.js'
 import { POSTGRES, pgConnection, service } from './helpers/services.js'
 import { killWorkers, startWorker, type Worker } from './helpers/workers.js'
+import { expectDocumented } from './helpers/recipes.js'
 
 const postgres = await service(POSTGRES)
 const run = `${process.pid}_${Date.now()}`
@@ -131,5 +132,9 @@ describe.skipIf(!postgres.available)(`Webhook recipe: each Standard Webhooks eve
     }
     expect(answer.status).toBe(200)
     expect(await credits(event.id)).toEqual([{ id: JSON.parse(answer.body).credited, pid: b.pid }])
+  })
+
+  it('docs/jobs.md shows the receiver these tests run', () => {
+    expectDocumented('standard-webhooks.ts')
   })
 })
