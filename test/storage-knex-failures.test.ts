@@ -6,6 +6,7 @@ import type { StoredResponse } from '../lib/storage/types.js'
 import { failingBegins } from './helpers/knex-instrument.js'
 import { EXPIRY, knexTargets, LEASE, postgres, response, targetDatabase } from './helpers/knex-targets.js'
 import { pgConnection } from './helpers/services.js'
+import { pgbouncer } from './helpers/pgbouncer.js'
 
 /**
  * KnexStorage when statements fail: deadlock victims rerun, other failures not, errors short
@@ -131,6 +132,50 @@ describe.skipIf(!postgres.available)('on PostgreSQL, when the server does not ho
     } finally {
       await dropIdempotencyTable(first, table)
       await Promise.all([first.destroy(), second.destroy()])
+    }
+  })
+})
+
+const bouncer = await pgbouncer()
+describe.skipIf(!bouncer.availability.available)(`on PostgreSQL behind PgBouncer in transaction pooling${bouncer.availability.reason}`, () => {
+  it('sends the hot statements unnamed by default, and by name only when preparedStatements: true asks for it', async () => {
+    const knex = knexFactory({ client: 'pg', connection: bouncer.transaction, pool: { min: 0, max: 2 } })
+    const table = `pooled_${process.pid}_${Date.now()}`
+    const named: Array<string | undefined> = []
+    // What the store sends on a pooled connection (knex itself passes a callback: passed on).
+    const client = knex.client as { acquireConnection: () => Promise<{ query: (...args: unknown[]) => unknown, watched?: boolean }> }
+    const acquire = client.acquireConnection.bind(client)
+    client.acquireConnection = async () => {
+      const connection = await acquire()
+      if (connection.watched === true) return connection
+      connection.watched = true
+      const query = connection.query.bind(connection)
+      connection.query = (...args: unknown[]) => {
+        const [q] = args as [{ text?: string, name?: string }]
+        // The hot statements: takeLease and storeResponse.
+        if (typeof q === 'object' && q !== null && String(q.text).includes(table) && /^WITH live|status_code = \$1/.test(String(q.text).trimStart())) named.push(q.name)
+        return query(...args)
+      }
+      return connection
+    }
+    const warnings: Error[] = []
+    const onWarning = (warning: Error): void => { if ((warning as { code?: string }).code === 'FASTIFY_IDEMPOTENCY_UNPREPARED') warnings.push(warning) }
+    process.on('warning', onWarning)
+    try {
+      const byDefault = new KnexStorage({ knex, tableName: table, createTable: true })
+      const lease = await byDefault.begin('k', 'fp', LEASE)
+      if (lease.state !== 'acquired') throw new Error('expected a lease')
+      expect(await byDefault.complete('k', lease.token, response(), EXPIRY)).toBe(true)
+      expect(named).toEqual([undefined, undefined])
+      expect(warnings).toEqual([])
+      named.length = 0
+      const chosen = new KnexStorage({ knex, tableName: table, preparedStatements: true })
+      expect((await chosen.begin('k', 'fp', LEASE)).state).toBe('completed')
+      expect(named[0]).toMatch(/^idempotency_/)
+    } finally {
+      process.off('warning', onWarning)
+      await dropIdempotencyTable(knex, table)
+      await knex.destroy()
     }
   })
 })

@@ -5,7 +5,7 @@ import { afterAll, describe, expect, it } from 'vitest'
 import { KnexStorage } from '../lib/knex.js'
 import { createIdempotencyTable, dropIdempotencyTable, notificationChannel } from '../lib/storage/knex/schema.js'
 import { buildApp, newKey } from './helpers/app.js'
-import { EXPIRY, LEASE, type PgClient, pgDriver, postgres, response, uniqueTable } from './helpers/knex-targets.js'
+import { EXPIRY, LEASE, type PgClient, pgDriver, postgres, postgresConnections, response, uniqueTable } from './helpers/knex-targets.js'
 import { pgConnection } from './helpers/services.js'
 import { Gate } from './helpers/gate.js'
 
@@ -336,3 +336,75 @@ describe.skipIf(!postgres.available)(`KnexStorage waitFor on PostgreSQL (LISTEN/
     expect(await listening(name)).toHaveLength(0)
   })
 })
+
+/**
+ * Wait mode through PgBouncer. In transaction pooling a LISTEN holds on a server connection the
+ * pooler hands to other clients, so its notifications never reach the waiter, which used to sleep
+ * until its timeout: the store finds out (a probe notification that never arrives) and the plugin
+ * polls, as on MySQL. In session pooling the listening connection keeps its server connection,
+ * and NOTIFY wakes waiters as on a direct connection.
+ */
+for (const connection of (await postgresConnections()).filter((candidate) => candidate.pooled)) {
+  const session = connection.name.includes('session')
+  describe.skipIf(!connection.availability.available)(`wait mode on PostgreSQL ${connection.name}${connection.availability.reason}`, () => {
+    const knex = knexFactory({ client: 'pg', connection: connection.settings, pool: { min: 0, max: 4 } })
+    const direct = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 1 } })
+    const name = uniqueTable()
+    const store = new KnexStorage({ knex, tableName: name, createTable: true })
+    afterAll(async () => {
+      await store.close()
+      await dropIdempotencyTable(direct, name)
+      await knex.destroy()
+      await direct.destroy()
+    })
+
+    it(session ? 'waitFor is woken by NOTIFY' : 'waitFor gives up listening at once, so that the plugin polls', async () => {
+      const lease = await store.begin('k', 'fp', LEASE)
+      if (lease.state !== 'acquired') throw new Error('expected a lease')
+      const waited = store.waitFor!('k', 20_000).then(() => 'woken', () => 'refused')
+      if (session) {
+        // Marked, so listening: its end notifies.
+        for (let i = 0; i < 400 && (await direct(name).first('waiting')).waiting !== true; i++) await sleep(5)
+        const ending = performance.now()
+        expect(await store.complete('k', lease.token, response(), EXPIRY)).toBe(true)
+        expect(await waited).toBe('woken')
+        expect(performance.now() - ending).toBeLessThan(1000)
+      } else {
+        expect(await waited).toBe('refused')
+        expect(await store.waitFor!('k', 20_000).then(() => 'woken', () => 'refused')).toBe('refused')
+        expect(await store.complete('k', lease.token, response(), EXPIRY)).toBe(true)
+      }
+    })
+
+    it('a duplicate gets the first request\'s response soon after it ends, not at its timeout', async () => {
+      const gate = new Gate()
+      const { app, runs } = await buildApp({ storage: store, wait: true, waitTimeout: '20s' }, {
+        '/slow': async (_request, reply) => { await gate.hold(); reply.code(201); return { done: true } }
+      })
+      try {
+        const key = newKey('pooled')
+        const post = () => app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: { a: 1 } })
+        const first = post()
+        await gate.entered
+        const duplicate = post()
+        // The duplicate is waiting: its mark is on the row (session) or it asked twice (polling).
+        const begin = store.begin.bind(store)
+        let begins = 0
+        const polled = new Promise<void>((resolve) => { store.begin = async (...args) => { if (++begins === 2) resolve(); return await begin(...args) } })
+        const marked = async (): Promise<void> => { for (let i = 0; i < 400 && (await direct(name).where('waiting', true).first('state')) === undefined; i++) await sleep(5) }
+        await (session ? marked() : polled)
+        const opened = performance.now()
+        gate.open()
+        const [original, replayed] = await Promise.all([first, duplicate])
+        expect(original.statusCode).toBe(201)
+        expect(replayed.headers['idempotent-replayed']).toBe('true')
+        expect(runs.get('/slow')).toBe(1)
+        // Polling asks every 400 ms at most.
+        expect(performance.now() - opened).toBeLessThan(3000)
+      } finally {
+        delete (store as { begin?: unknown }).begin
+        await app.close()
+      }
+    })
+  })
+}

@@ -15,6 +15,7 @@ import { dropIdempotencyTable } from '../lib/knex.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { effectCount, postOrder, startServers, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
+import { pgbouncer } from './helpers/pgbouncer.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-trx-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
@@ -28,8 +29,11 @@ interface Dialect {
   multiProcess: boolean
 }
 
+const bouncer = await pgbouncer()
+
 const dialects: Dialect[] = [
   { name: 'PostgreSQL', store: 'postgres', availability: await service(POSTGRES), connect: () => knexFactory({ client: 'pg', connection: pgConnection }), env: {}, multiProcess: true },
+  { name: 'PostgreSQL through PgBouncer (transaction pooling)', store: 'postgres', availability: bouncer.availability, connect: () => knexFactory({ client: 'pg', connection: bouncer.transaction }), env: {}, multiProcess: false },
   { name: 'MariaDB', store: 'mysql', availability: await service(MARIADB), connect: () => knexFactory({ client: 'mysql2', connection: mysqlConnection }), env: {}, multiProcess: true },
   {
     name: 'SQLite',

@@ -11,10 +11,29 @@ import { KnexStorage } from '../../lib/knex.js'
 import { dropIdempotencyTable, sqlDialect } from '../../lib/storage/knex/schema.js'
 import type { StoredResponse } from '../../lib/storage/types.js'
 import { asMySql } from './knex-instrument.js'
+import { pgbouncer } from './pgbouncer.js'
 import { type Availability, MARIADB, mysqlConnection, pgConnection, POSTGRES, service } from './services.js'
 
 export const postgres = await service(POSTGRES)
 export const mariadb = await service(MARIADB)
+const bouncer = await pgbouncer()
+
+/** The ways the PostgreSQL store is tested: directly, and through PgBouncer in each pooling mode. */
+export interface PostgresConnection {
+  name: string
+  availability: Availability
+  settings: typeof pgConnection
+  /** Through a pooler: the store cannot LISTEN, nor cancel a statement by process id. */
+  pooled: boolean
+}
+
+export async function postgresConnections (): Promise<PostgresConnection[]> {
+  return [
+    { name: 'directly', availability: postgres, settings: pgConnection, pooled: false },
+    { name: 'through PgBouncer (transaction pooling)', availability: bouncer.availability, settings: bouncer.transaction, pooled: true },
+    { name: 'through PgBouncer (session pooling)', availability: bouncer.availability, settings: bouncer.session, pooled: true }
+  ]
+}
 
 export const LEASE = 30_000
 export const EXPIRY = 60_000
@@ -33,6 +52,8 @@ export interface Target {
   deadlock?: Record<string, unknown>
   /** The driver set to return BIGINTs another way (pg already returns strings by default). */
   bigintConfig?: () => Knex.Config
+  /** PostgreSQL through a pooler (PgBouncer): waits poll instead of LISTEN. */
+  pooled?: boolean
 }
 
 /** Every database the store supports, SQLite in a directory removed after the test file. */
@@ -47,6 +68,14 @@ export function knexTargets (): Target[] {
       config: () => ({ client: 'pg', connection: pgConnection }),
       replayStatements: 1,
       deadlock: { code: '40P01' }
+    },
+    {
+      name: 'PostgreSQL (pg) through PgBouncer, transaction pooling',
+      availability: bouncer.availability,
+      config: () => ({ client: 'pg', connection: bouncer.transaction }),
+      replayStatements: 1,
+      deadlock: { code: '40P01' },
+      pooled: true
     },
     {
       name: 'MariaDB (mysql2, INSERT ... RETURNING)',

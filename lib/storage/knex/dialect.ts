@@ -39,9 +39,10 @@ export function clockOf (sql: { now: string, scan: string, int: string }, now: (
 export type Bound = <Q extends Knex.QueryBuilder | Knex.Raw>(query: Q) => Q
 
 /**
- * Past `ms` the server cancels the statement (pg_cancel_backend, KILL QUERY, through a connection
- * of its own), so a row locked by another transaction never keeps a pooled connection busy, nor the
- * requests for other keys waiting for one. 0 bounds nothing.
+ * Past `ms` the statement is cancelled (pg_cancel_backend, KILL QUERY, through a connection of
+ * its own), so a row locked by another transaction never keeps a pooled connection busy, nor the
+ * requests for other keys waiting for one. 0 bounds nothing. (PostgreSQL also bounds its lock
+ * waits on the server, which works through a pooler: see postgres.ts.)
  */
 export function bounded (ms: number): Bound {
   if (ms === 0) return (query) => query
@@ -57,8 +58,11 @@ export interface DialectOptions {
   statementTimeout: number
   /** The application's clock (tests); the database's when absent. */
   now: (() => number) | undefined
-  /** PostgreSQL: send the hot statements as named prepared statements. */
-  namedStatements: boolean
+  /**
+   * PostgreSQL: send the hot statements as named prepared statements; by default (`undefined`),
+   * unless a pooler stands in front.
+   */
+  namedStatements: boolean | undefined
 }
 
 /** A lease a caller holds: the key's row, fenced by the token that took it. */

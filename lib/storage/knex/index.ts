@@ -212,8 +212,8 @@ export class KnexStorage implements TransactionalStorage {
   }
 
   async #createAndProbe (): Promise<void> {
-    if (this.#createTable) await createIdempotencyTable(this.#dialect.knex, this.#dialect.table)
     await this.#dialect.probeServer()
+    if (this.#createTable) await createIdempotencyTable(this.#dialect.knex, this.#dialect.table)
   }
 
   /** Run one statement again when the server picked it as a deadlock victim. */

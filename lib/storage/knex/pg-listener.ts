@@ -6,12 +6,22 @@
  * first wait and shared by all. A waiter listens first, then marks the row (`waiting`), which both
  * asks `complete`/`release` to notify and tells whether the lease is still held: an end that comes
  * after the wait began cannot be missed. A lease that lapses ends without a notification, so a
- * waiter also wakes at the lease end.
+ * waiter also wakes at the lease end. Behind a pooler the listening connection first checks that
+ * a notification reaches it (`#hears`): in transaction pooling none does, and waits reject (the
+ * plugin polls).
  */
+import { randomUUID } from 'node:crypto'
 import type { Knex } from 'knex'
 import { KeyWaiters, type Waiter } from '../waiters.js'
 import type { PgConnection, PostgresDialect } from './postgres.js'
 import { trimmed } from './rows.js'
+
+/**
+ * How long a probe notification may take to reach the listening connection behind a pooler. It
+ * comes in a millisecond or two when it comes at all; a busy machine that misses this only costs
+ * polling.
+ */
+const PROBE_WAIT = 1000
 
 /** The listening connection (a pg `Client` of knex's driver, outside knex's pool), once it listens. */
 interface Listener {
@@ -43,6 +53,11 @@ export class PgListener {
   #listener: Listener | undefined
   /** Waits by the key as notifications carry it: its UTF-8 bytes in base64. */
   readonly #waiters = new KeyWaiters()
+  /**
+   * Set once a LISTEN through a pooler turned out to receive nothing (transaction pooling): every
+   * wait then rejects at once, and the plugin polls.
+   */
+  #deaf: Error | undefined
 
   constructor (context: PgListenerContext) {
     this.#context = context
@@ -90,6 +105,7 @@ export class PgListener {
     const { dialect, retrying, started } = this.#context
     try {
       await started()
+      if (this.#deaf !== undefined) throw this.#deaf
       const listener = this.#listening()
       await listener.ready
       if (waiter.settled) return
@@ -136,7 +152,37 @@ export class PgListener {
       throw listener.failure
     }
     await connection.query(`LISTEN "${channel}"`)
+    if (this.#context.dialect.pooled) await this.#hears(connection)
     return connection
+  }
+
+  /**
+   * Behind a pooler, whether a notification sent from another connection reaches `connection`. In
+   * session pooling it keeps its server connection, which listens, and it does. In transaction
+   * pooling the LISTEN ran on a server connection that went back to the pool: notifications reach
+   * that server connection, never this client, so waits would sleep to their timeout. Then this
+   * storage stops listening for good, and waits poll.
+   */
+  async #hears (connection: PgConnection): Promise<void> {
+    const { knex, channel } = this.#context.dialect
+    // Not base64, so no waiter's key.
+    const probe = `probe:${randomUUID()}`
+    let heard!: () => void
+    const arrived = new Promise<void>((resolve) => { heard = resolve })
+    const listen = (message: { channel: string, payload?: string }): void => { if (message.channel === channel && message.payload === probe) heard() }
+    connection.on('notification', listen)
+    let timer: NodeJS.Timeout | undefined
+    try {
+      await knex.raw('SELECT pg_notify(?, ?)', [channel, probe])
+      const deaf = await Promise.race([arrived.then(() => false), new Promise<boolean>((resolve) => { timer = setTimeout(resolve, PROBE_WAIT, true) })])
+      if (deaf) {
+        this.#deaf = new Error('KnexStorage: a LISTEN through this pooler receives no notifications (transaction pooling): waits poll')
+        throw this.#deaf
+      }
+    } finally {
+      clearTimeout(timer)
+      connection.off('notification', listen)
+    }
   }
 
   /** The listening connection failed or ended: its waits reject (the plugin polls), the next wait opens anew. */

@@ -18,12 +18,12 @@ import { notificationChannel, quotedName } from './schema.js'
 // write). When the insert lost to a row committed after our snapshot, both parts come back empty
 // and the caller runs the statement again with a fresh snapshot. `N` is the clock: read after the
 // row lock, so the lease taken over is measured from when it is written.
-const takeLease = (N: string, table: string): string => `WITH live AS (
+const takeLease = (N: string, table: string, B: string): string => `WITH live AS (
   SELECT ${COLUMNS} FROM ${table} WHERE idempotency_key = $1 AND expires_at > ${N}
 ), taken AS (
   INSERT INTO ${table} AS cur (idempotency_key, fingerprint, state, token, lease_end, expires_at)
   SELECT $1::bytea, $2::text, 'in_flight', $3::text, ${N} + $4::bigint, ${N} + $4::bigint
-  WHERE NOT EXISTS (SELECT 1 FROM live)
+  WHERE NOT EXISTS (SELECT 1 FROM live)${B}
   ON CONFLICT (idempotency_key) DO UPDATE SET
     fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token,
     lease_end = ${N} + $4::bigint, expires_at = ${N} + $4::bigint,
@@ -50,16 +50,28 @@ SELECT count(*)::integer AS changed, count(CASE WHEN waiting THEN pg_notify(?, ?
 // only then does a second statement send the NOTIFY (in transaction mode, within the
 // transaction, so it is delivered at commit). A waiter that marked the row after the UPDATE finds
 // the lease gone when it marks, and does not wait.
-const storeResponse = (N: string, table: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N},
+const storeResponse = (N: string, table: string, B: string): string => `UPDATE ${table} SET state = 'completed', token = NULL, lease_end = ${N},
     status_code = $1, content_type = $2, headers = $3, body = $4, expires_at = ${N} + $5::bigint
-  WHERE idempotency_key = $6 AND token = $7 AND state = 'in_flight' AND lease_end > ${N}
+  WHERE idempotency_key = $6 AND token = $7 AND state = 'in_flight' AND lease_end > ${N}${B}
   RETURNING waiting`
-const giveBack = (N: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}`)
+const giveBack = (N: string, B: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}${B}`)
 
 // A waiter marks the lease it waits for, and learns in the same step whether it is still held.
-const markWaiting = (N: string): string => `UPDATE ?? SET waiting = true
-WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ${N}
+const markWaiting = (N: string, B: string): string => `UPDATE ?? SET waiting = true
+WHERE idempotency_key = ? AND state = 'in_flight' AND lease_end > ${N}${B}
 RETURNING lease_end - ${N} AS remaining`
+
+/**
+ * A condition, always true, that sets the server's `lock_timeout` for the statement's own
+ * transaction (`set_config(..., true)`: nothing outlives it, whichever server connection a pooler
+ * gave the statement). PostgreSQL evaluates a row's conditions before the statement waits for
+ * that row's lock, and reads `lock_timeout` when a wait begins: past `ms` the server ends the wait
+ * and the statement (55P03), with no cancel from the client, so it works through any pooler. An
+ * empty string when nothing is bounded: a `lock_timeout` of the role's or the database's applies.
+ */
+export function lockWaitBound (ms: number): string {
+  return ms === 0 ? '' : `set_config('lock_timeout', '${ms}', true) IS NOT NULL`
+}
 
 /**
  * The server's clock in epoch ms: clock_timestamp() advances within a statement (read after a
@@ -85,6 +97,7 @@ export interface PgQuery {
 export interface PgConnection {
   query: (query: PgQuery | string) => Promise<{ rows: unknown[] }>
   on: (event: string, listener: (...args: any[]) => void) => unknown
+  off: (event: string, listener: (...args: any[]) => void) => unknown
   end: () => Promise<void>
   unref?: () => void
 }
@@ -119,8 +132,14 @@ export class PostgresDialect extends BaseDialect {
   readonly #storeResponse: PgStatement
   readonly #giveBack: string
   readonly #markWaiting: string
-  /** Whether hot statements are sent by name: `namedStatements`, until the server turns out not to hold them. */
+  /**
+   * Whether hot statements are sent by name: `namedStatements` (by default, unless a pooler is in
+   * front), until the server turns out not to hold them.
+   */
   #named: boolean
+  readonly #namedByChoice: boolean | undefined
+  /** What the server probe found (see `probeServer`); shared with `bound`, made before it ran. */
+  readonly #path: { pooled: boolean }
 
   /**
    * `namedStatements`: name the hot statements, so each connection parses and plans them once.
@@ -128,18 +147,52 @@ export class PostgresDialect extends BaseDialect {
    * would format and renumber their values on every call (`onConnection`).
    */
   constructor ({ knex, table, statementTimeout, now, namedStatements }: DialectOptions) {
-    super({ knex, table, clock: clockOf(SERVER_CLOCK, now), bound: bounded(statementTimeout) })
+    const path = { pooled: false }
+    const lockBound = lockWaitBound(statementTimeout)
+    const cancelled = bounded(statementTimeout)
+    super({
+      knex,
+      table,
+      clock: clockOf(SERVER_CLOCK, now),
+      // A statement built with knex: its lock waits bounded on the server, and, on a direct
+      // connection, the statement cancelled by process id past the same time (a table lock, a
+      // slow server). Through a pooler that id is the pooler's: the cancel would reach nothing.
+      bound: (query) => {
+        if (lockBound !== '' && 'andWhereRaw' in query) query.andWhereRaw(lockBound)
+        return path.pooled ? query : cancelled(query)
+      }
+    })
+    this.#path = path
     this.channel = notificationChannel(table)
     this.#statementTimeout = statementTimeout
     const quoted = quotedName(table)
+    const B = lockBound === '' ? '' : ` AND ${lockBound}`
     // With the application's clock (tests), its value is the statement's last parameter.
     const at = (index: number): string => now === undefined ? SERVER_CLOCK.now : `$${index}::bigint`
-    const statement = (text: string): PgStatement => ({ text, name: namedStatements ? `idempotency_${hash('sha256', text, 'hex').slice(0, 40)}` : undefined })
-    this.#named = namedStatements
-    this.#takeLease = statement(takeLease(at(5), quoted))
-    this.#storeResponse = statement(storeResponse(at(8), quoted))
-    this.#giveBack = giveBack(this.clock.now)
-    this.#markWaiting = markWaiting(this.clock.now)
+    const statement = (text: string): PgStatement => ({ text, name: `idempotency_${hash('sha256', text, 'hex').slice(0, 40)}` })
+    this.#namedByChoice = namedStatements
+    this.#named = namedStatements !== false
+    this.#takeLease = statement(takeLease(at(5), quoted, B))
+    this.#storeResponse = statement(storeResponse(at(8), quoted, B))
+    this.#giveBack = giveBack(this.clock.now, B)
+    this.#markWaiting = markWaiting(this.clock.now, B)
+  }
+
+  /**
+   * Whether a pooler (PgBouncer, and the like) stands between the store and the server: the
+   * process id a connection was given at connect time is then the pooler's, not its server
+   * connection's. Behind one, statements are not cancelled by that id, sent by name only when
+   * `preparedStatements: true` says the pooler keeps them (PgBouncer 1.21+), and waits poll.
+   */
+  get pooled (): boolean {
+    return this.#path.pooled
+  }
+
+  override async probeServer (): Promise<void> {
+    const pid = await onConnection<PgConnection & { processID?: unknown }, [unknown, unknown]>(this.knex, 0, async (connection) =>
+      [connection.processID, (await connection.query('SELECT pg_backend_pid() AS pid')).rows[0]])
+    this.#path.pooled = Number(pid[0]) !== Number((pid[1] as { pid: unknown }).pid)
+    if (this.#path.pooled && this.#namedByChoice !== true) this.#named = false
   }
 
   async takeLease ({ id, fingerprint, token, lease }: LeaseRequest): Promise<BeginResult | undefined> {
@@ -216,6 +269,7 @@ export class PostgresDialect extends BaseDialect {
 
   /** One query on a connection of `db`. */
   async #send (db: Knex | Knex.Transaction, query: PgQuery): Promise<{ rows: unknown[] }> {
-    return await onConnection<PgConnection, { rows: unknown[] }>(db, this.#statementTimeout, async (connection) => await connection.query(query))
+    const cancelAfter = this.#path.pooled ? 0 : this.#statementTimeout
+    return await onConnection<PgConnection, { rows: unknown[] }>(db, cancelAfter, async (connection) => await connection.query(query))
   }
 }

@@ -20,16 +20,18 @@ export interface KnexStorageOptions {
    */
   now?: () => number
   /**
-   * The longest one statement may run, in ms; past it the server cancels it (PostgreSQL,
-   * MySQL/MariaDB), so a row locked by another transaction (a migration, a long batch job) never
-   * keeps a pooled connection busy. Keep it below the plugin's `storeTimeout`. 0 disables it.
-   * Default 4000.
+   * The longest one statement may run, in ms (PostgreSQL, MySQL/MariaDB), so a row locked by
+   * another transaction (a migration, a long batch job) never keeps a pooled connection busy. On
+   * PostgreSQL the server gives up a lock wait past it (`lock_timeout`, set in the statement's own
+   * transaction, so it works through a pooler), and on a direct connection the statement is also
+   * cancelled past it. Keep it below the plugin's `storeTimeout`. 0 disables it. Default 4000.
    */
   statementTimeout?: number
   /**
    * PostgreSQL: send the store's statements as named prepared statements, parsed and planned once
-   * per connection. Default `true`. Set `false` behind a pooler that cannot keep them (PgBouncer
-   * in transaction mode before 1.21).
+   * per connection. By default yes on a direct connection, no behind a pooler (PgBouncer), which
+   * the store recognizes. `true` behind a pooler that keeps them (PgBouncer 1.21+ with
+   * `max_prepared_statements`); `false` never.
    */
   preparedStatements?: boolean
 }
@@ -52,5 +54,5 @@ export function dialectOptions (options: KnexStorageOptions): DialectOptions {
   const statementTimeout = options.statementTimeout ?? DEFAULT_STATEMENT_TIMEOUT
   if (!Number.isSafeInteger(statementTimeout) || statementTimeout < 0) throw new TypeError('KnexStorage: statementTimeout must be a whole number of milliseconds, or 0')
   if (options.preparedStatements !== undefined && typeof options.preparedStatements !== 'boolean') throw new TypeError('KnexStorage: preparedStatements must be a boolean')
-  return { knex: options.knex, table, statementTimeout, now: options.now, namedStatements: options.preparedStatements ?? true }
+  return { knex: options.knex, table, statementTimeout, now: options.now, namedStatements: options.preparedStatements }
 }
