@@ -195,5 +195,6 @@ export type {
   StoredState,
   StorageForgetOptions,
   StorageForgetResult,
-  TransactionalStorage
+  TransactionalStorage,
+  TransactionOptions
 } from './storage/types.js'

@@ -192,7 +192,7 @@ async function waitForLease ({ door, settings }: RouteEngine, storageKey: string
  */
 async function openTransaction ({ door, reporter }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
   try {
-    state.transaction = await door.openTransaction()
+    state.transaction = await door.openTransaction({ request: true })
     return null
   } catch (error) {
     reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')

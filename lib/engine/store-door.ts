@@ -22,7 +22,7 @@
  */
 import type { ResponseCipher } from '../encryption.js'
 import { MemoryStorage } from '../storage/memory.js'
-import type { BeginResult, IdempotencyStorage, StorageTransaction, StoredResponse, StoredState, TransactionalStorage } from '../storage/types.js'
+import type { BeginResult, IdempotencyStorage, StorageTransaction, StoredResponse, StoredState, TransactionalStorage, TransactionOptions } from '../storage/types.js'
 import { StoreDeadline } from './store-deadline.js'
 
 /** `begin` granted a lease that had lapsed before it could be used. */
@@ -135,8 +135,8 @@ export class StoreDoor {
   }
 
   /** Open a transaction (transaction mode); one opened for a call given up on is rolled back. */
-  openTransaction (): Promise<StorageTransaction> {
-    return this.#deadline.run('transaction', () => (this.storage as TransactionalStorage).transaction(), (late) => { late.rollback().catch(noop) })
+  openTransaction (options?: TransactionOptions): Promise<StorageTransaction> {
+    return this.#deadline.run('transaction', () => (this.storage as TransactionalStorage).transaction(options), (late) => { late.rollback().catch(noop) })
   }
 
   /** Store `response` inside `transaction`, under the lease `token` holds: `false` when it was lost. */

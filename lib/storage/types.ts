@@ -226,10 +226,22 @@ export interface StorageTransaction {
   rollback (): Promise<void>
 }
 
+/** What a transaction is opened for. */
+export interface TransactionOptions {
+  /**
+   * The request's own transaction, held while its handler runs, and the handler may need more
+   * connections meanwhile (a recovery point's record and transaction, the lease's renewals). A
+   * store with a bounded pool makes such a transaction wait until holding it leaves a connection
+   * for those, so that requests never all hold one connection while each waits for another.
+   * Transactions opened without it (a recovery point's) never wait behind these.
+   */
+  request?: boolean
+}
+
 /** A provider that can open a StorageTransaction (KnexStorage). */
 export interface TransactionalStorage extends IdempotencyStorage {
-  /** Open a transaction for one request's handler writes and its stored response. */
-  transaction (): Promise<StorageTransaction>
+  /** Open a transaction for one request's handler writes and its stored response (or a recovery point's). */
+  transaction (options?: TransactionOptions): Promise<StorageTransaction>
   /**
    * An open transaction holds the only connection (SQLite through knex), so no second
    * transaction, and no store call, can run beside it: recovery points, which commit a

@@ -15,13 +15,14 @@ import type { Knex } from 'knex'
 import { duration } from '../durations.js'
 import { StoreContentionError } from '../errors.js'
 import { TokenGenerator } from '../tokens.js'
-import type { BeginResult, StorageForgetOptions, StorageForgetResult, LeaseListing, StorageTransaction, StoredResponse, StoredState, TransactionalStorage } from '../types.js'
+import type { BeginResult, StorageForgetOptions, StorageForgetResult, LeaseListing, StorageTransaction, StoredResponse, StoredState, TransactionalStorage, TransactionOptions } from '../types.js'
 import type { Completion, Dialect, DialectOptions } from './dialect.js'
 import { MysqlDialect } from './mysql.js'
 import { dialectOptions, type KnexStorageOptions, type PurgeExpiredOptions } from './storage-options.js'
 import { forgetRow, inspectRow, listLeaseRows } from './operations.js'
 import { PgListener } from './pg-listener.js'
 import { PostgresDialect } from './postgres.js'
+import { RequestSlots } from './request-slots.js'
 import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
 import { createIdempotencyTable, sqlDialect, type SqlDialect } from './schema.js'
 import { SqliteDialect } from './sqlite.js'
@@ -54,6 +55,8 @@ export class KnexStorage implements TransactionalStorage {
   #starting: Promise<void> | undefined
   #started = false
   readonly #listener: PgListener | undefined
+  /** Request transactions open at once (see request-slots.ts). */
+  readonly #requestSlots: RequestSlots
 
   /**
    * PostgreSQL only (the property is absent on MySQL/MariaDB and SQLite, where the plugin polls
@@ -66,6 +69,7 @@ export class KnexStorage implements TransactionalStorage {
     const dialect = this.#dialect = dialectFor(dialectOptions(options))
     this.#createTable = options.createTable === true
     this.#now = options.now ?? Date.now
+    this.#requestSlots = new RequestSlots(dialect.knex)
     if (dialect instanceof PostgresDialect && PgListener.canListen(dialect.knex)) {
       const listener = this.#listener = new PgListener({ dialect, retrying: (statement) => this.#retrying(statement), started: () => this.#start() })
       this.waitFor = (key, timeout) => listener.waitFor(encodeKey(key), timeout)
@@ -113,12 +117,20 @@ export class KnexStorage implements TransactionalStorage {
    * Transaction mode: a knex transaction for the handler's writes, in which `complete` writes the
    * stored response with the same fenced statement as above, so both commit or neither does.
    */
-  async transaction (): Promise<StorageTransaction> {
+  async transaction (options: TransactionOptions = {}): Promise<StorageTransaction> {
     if (!this.#started) await this.#start()
-    const trx = await this.#dialect.knex.transaction()
+    const release = options.request === true ? await this.#requestSlots.take() : undefined
+    let trx: Knex.Transaction
+    try {
+      trx = await this.#dialect.knex.transaction()
+    } catch (error) {
+      release?.()
+      throw error
+    }
     // A failed COMMIT rejects the transaction's own promise as well as commit()'s; the caller
-    // handles the latter, so the former must not surface as an unhandled rejection.
-    trx.executionPromise.catch(() => {})
+    // handles the latter, so the former must not surface as an unhandled rejection. However it
+    // ends, its slot is free again.
+    trx.executionPromise.catch(() => {}).finally(() => release?.())
     return {
       handle: trx,
       complete: async (key, token, response, expiration) => await this.#storeResponse(trx, completion(key, token, response, expiration)),

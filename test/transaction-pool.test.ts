@@ -1,0 +1,79 @@
+/**
+ * Transaction mode with recovery points needs two pooled connections per request at once: its own
+ * transaction, held while the handler runs, and one for each step (its record, its transaction).
+ * When as many requests as knex's pool has connections each held a transaction, every step waited
+ * for a connection that only those requests could free: with knex's default pool of ten, ten
+ * concurrent requests waited for storeTimeout and most got 503. The requests that fit must be
+ * served at once; the rest wait for them, not for a timeout.
+ */
+import { afterAll, describe, expect, it } from 'vitest'
+import knexFactory, { type Knex } from 'knex'
+import Fastify from 'fastify'
+import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
+import { KnexStorage, dropIdempotencyTable, transactionOf } from '../lib/knex.js'
+import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { postWithKey } from './helpers/http-client.js'
+import { pgbouncer } from './helpers/pgbouncer.js'
+
+/** knex's default pool. */
+const POOL = 10
+/** Far above what serving them takes: a request that waits for it is a failure. */
+const STORE_TIMEOUT = 8000
+const stamp = `${process.pid}_${Date.now().toString(36)}`
+const bouncer = await pgbouncer()
+
+const databases: Array<{ name: string, availability: Availability, config: Knex.Config }> = [
+  { name: 'PostgreSQL', availability: await service(POSTGRES), config: { client: 'pg', connection: pgConnection } },
+  { name: 'PostgreSQL through PgBouncer (transaction pooling)', availability: bouncer.availability, config: { client: 'pg', connection: bouncer.transaction } },
+  { name: 'MariaDB', availability: await service(MARIADB), config: { client: 'mysql2', connection: mysqlConnection } }
+]
+
+for (const [index, database] of databases.entries()) {
+  describe.skipIf(!database.availability.available)(`transaction mode with steps on ${database.name}, knex's default pool${database.availability.reason}`, () => {
+    const knex = knexFactory(database.config)
+    const table = `trx_pool_${stamp}_${index}`
+    const orders = `${table}_orders`
+    const runs = new Map<string, number>()
+    const app = Fastify()
+    afterAll(async () => {
+      await app.close()
+      await knex.schema.dropTableIfExists(orders)
+      await dropIdempotencyTable(knex, table)
+      await knex.destroy()
+    })
+
+    const ready = (async () => {
+      expect((knex.client as { pool: { max: number } }).pool.max).toBe(POOL)
+      await knex.schema.createTable(orders, (t) => { t.increments('id'); t.string('idem_key', 100) })
+      await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }), transaction: true, storeTimeout: STORE_TIMEOUT })
+      app.setErrorHandler(idempotencyErrorHandler())
+      app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+        const key = request.headers['idempotency-key'] as string
+        runs.set(key, (runs.get(key) ?? 0) + 1)
+        // The request's transaction is in use while the step needs its own.
+        await transactionOf(request)(orders).insert({ idem_key: key })
+        const charge = await request.idempotency!.step('charge', async ({ transaction }) => {
+          await (transaction as Knex.Transaction)(orders).insert({ idem_key: `${key}:charge` })
+          return { id: `ch_${key}` }
+        })
+        reply.code(201)
+        return { charge }
+      })
+      return `${await app.listen({ host: '127.0.0.1', port: 0 })}/orders`
+    })()
+
+    for (const times of [1, 2]) {
+      it(`serves ${times * POOL} concurrent requests (${times}x the pool), each once, without waiting for a timeout`, async () => {
+        const url = await ready
+        const keys = Array.from({ length: times * POOL }, (_, i) => `k${times}-${i}`)
+        const started = Date.now()
+        const statuses = await Promise.all(keys.map(async (key) => (await postWithKey(url, key, '{}')).status))
+        expect(statuses).toEqual(keys.map(() => 201))
+        expect(Date.now() - started).toBeLessThan(STORE_TIMEOUT / 2)
+        for (const key of keys) expect(runs.get(key), key).toBe(1)
+        const written = await knex(orders).whereIn('idem_key', keys.flatMap((key) => [key, `${key}:charge`])).count({ n: '*' })
+        expect(Number(written[0]!.n)).toBe(2 * keys.length)
+      })
+    }
+  })
+}
