@@ -134,9 +134,42 @@ export class KnexStorage implements TransactionalStorage {
     return {
       handle: trx,
       complete: async (key, token, response, expiration) => await this.#storeResponse(trx, completion(key, token, response, expiration)),
-      commit: async () => { await trx.commit() },
+      commit: async () => { await this.#commit(trx) },
       rollback: async () => { if (!trx.isCompleted()) await trx.rollback() }
     }
+  }
+
+  /**
+   * COMMIT, failing when it fails. knex's `trx.commit()` resolves even when COMMIT fails (a
+   * deferred constraint, a lost connection): the error only rejects the transaction's own promise,
+   * which is awaited here, so a failed or unknown COMMIT is never taken for a kept response.
+   *
+   * SQLite leaves the transaction open when COMMIT fails (a deferred foreign key, a busy database),
+   * and knex would hand its one connection back to the pool inside it: the next store call would
+   * run in that transaction. So on SQLite COMMIT is sent as a statement of the transaction, and
+   * knex's ROLLBACK then ends it either way (after a COMMIT that went through there is nothing left
+   * to roll back, and SQLite only says so).
+   *
+   * Elsewhere the connection whose COMMIT failed is not used again: a connection killed during
+   * COMMIT went back to knex's pool before its driver noticed, and the very next statement (the
+   * lease given back) took it and failed too, which left the key locked until `lockTimeout`.
+   */
+  async #commit (trx: Knex.Transaction): Promise<void> {
+    if (this.#dialect.name === 'sqlite') {
+      let failure: unknown
+      await trx.raw('COMMIT').catch((error: unknown) => { failure = error })
+      await trx.rollback().catch(() => {})
+      if (failure !== undefined) throw trimmed(failure)
+      return
+    }
+    // A transaction's client hands out the transaction's own connection.
+    const connection = await (trx.client as { acquireConnection: () => Promise<{ __knex__disposed?: unknown }> }).acquireConnection()
+    await trx.commit()
+    await trx.executionPromise.catch((error: unknown) => {
+      // knex's pool checks this before it hands a connection out, and destroys it instead.
+      connection.__knex__disposed ??= error
+      throw trimmed(error)
+    })
   }
 
   async release (key: string, token: string): Promise<boolean> {
