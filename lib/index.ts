@@ -19,6 +19,7 @@ import { Idempotency, type IdempotencyApi } from './run/idempotency.js'
 import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
 import { registerIn, routeName } from './http/registration.js'
 import { closeTimeoutOption, waitForRequestsOnClose } from './http/shutdown.js'
+import { checkStoreWhenReady } from './http/store-check.js'
 import { MemoryStorage } from './storage/memory.js'
 
 declare module 'fastify' {
@@ -57,6 +58,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   const settings = normalizeOptions(options, options.storage ?? ownStorage!)
   const closeTimeout = closeTimeoutOption(options.closeTimeout, fastify.initialConfig.pluginTimeout ?? 0)
   const guard = registerIn(fastify)
+  if (settings.checkStore) checkStoreWhenReady(fastify, settings.storage, settings.defaults.storeTimeout)
   // A second registration (in another encapsulated context, say) shares the decoration.
   if (!fastify.hasRequestDecorator(kState as unknown as string)) {
     fastify.decorateRequest(kState as unknown as string, null)

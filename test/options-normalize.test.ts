@@ -70,6 +70,7 @@ const pluginSamples: { [K in Exclude<keyof IdempotencyOptions, keyof Idempotency
   replaySetCookie: { options: { replaySetCookie: true }, changes: ['excludedHeaders'] },
   excludeHeaders: { options: { excludeHeaders: ['X-Trace'] }, changes: ['excludedHeaders'] },
   encryption: { options: { encryption: { keys: [Buffer.alloc(32, 1)], keyHashSecret: Buffer.alloc(32, 2) } }, changes: ['cipher'] },
+  checkStore: { options: { checkStore: false }, changes: ['checkStore'] },
   // Normalized by http/shutdown.ts, which knows the server's pluginTimeout: no field here.
   closeTimeout: { options: { closeTimeout: '2s' }, changes: [] }
 }

@@ -149,6 +149,8 @@ export const pluginFields = {
     check: (_layer, context) => checkStorage(context.storage),
     normalize: (_options, context) => context.storage
   }),
+  /** Ask the store at start-up whether it can work, and fail the start when it cannot. */
+  checkStore: pluginField({ options: { checkStore: boolean }, normalize: (options) => options.checkStore ?? true }),
   /** The key header's name, lower-cased, for lookups. */
   headerName: pluginField({ options: { headerName: token }, normalize: (options) => (options.headerName ?? DEFAULT_HEADER_NAME).toLowerCase() }),
   /** The same as the user wrote it, for messages. */

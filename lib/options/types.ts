@@ -111,4 +111,10 @@ export interface IdempotencyOptions extends IdempotencyRouteOptions {
   encryption?: EncryptionOptions
   /** How long `app.close()` waits for guarded requests in flight to settle (default `'5s'`; see docs/shutdown.md). */
   closeTimeout?: number | string
+  /**
+   * When the app starts, ask the store whether it can work (reachable, its table there) and fail
+   * `app.ready()` with the reason when it cannot (default `true`). `false` starts the app anyway:
+   * requests then get 503 (or run unprotected with `failOpen`) until the store works.
+   */
+  checkStore?: boolean
 }

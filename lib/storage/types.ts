@@ -98,6 +98,15 @@ export interface IdempotencyStorage {
   /** Free what the provider created itself. Never closes a client it was given. */
   close? (): Promise<void>
 
+  /**
+   * Optional: check that the store can work (its server reachable, its table or script there),
+   * creating what it was asked to create. The plugin calls it once when the app starts
+   * (`onReady`), within `storeTimeout`, unless `checkStore: false`; a rejection fails
+   * `app.ready()`. Reject with an Error whose message says in one line what is wrong and how to
+   * fix it.
+   */
+  ready? (): Promise<void>
+
   /*
    * Operations (docs/operations.md): optional. A store without them serves requests as well;
    * `fastify.idempotency` and the command then say the operation is not supported. The

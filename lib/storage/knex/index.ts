@@ -228,6 +228,24 @@ export class KnexStorage implements TransactionalStorage {
   }
 
   /**
+   * The start-up check (the plugin calls it when the app starts): the database can be reached,
+   * the table is there (made with `createTable`), or one line that says what is wrong.
+   */
+  async ready (): Promise<void> {
+    const client = this.#dialect.knex.client as { connectionSettings?: unknown, acquireRawConnection: () => Promise<unknown>, destroyRawConnection: (connection: unknown) => Promise<void> }
+    try {
+      // A connection of its own first: knex's pool would keep retrying a refused connection until
+      // its acquireConnectionTimeout, and say only that it timed out. (A connection given as a
+      // function is only known to the pool.)
+      if (client.connectionSettings !== undefined) await client.destroyRawConnection(await client.acquireRawConnection())
+      await this.#start()
+      await this.#retrying(() => this.#dialect.readEntry(Buffer.alloc(0)))
+    } catch (error) {
+      throw startupProblem(error, this.#dialect.table)
+    }
+  }
+
+  /**
    * End the listening connection, if a wait opened one; pending waits resolve (their callers ask
    * `begin` again). The knex instance belongs to the caller, who destroys it. The storage stays
    * usable: a later wait opens a new connection.
@@ -273,6 +291,17 @@ export class KnexStorage implements TransactionalStorage {
       }
     }
   }
+}
+
+/** Why a storage cannot start, in one line: a missing table says how to make it. */
+function startupProblem (error: unknown, table: string): Error {
+  const { code, errno, message } = (error ?? {}) as { code?: unknown, errno?: unknown, message?: unknown }
+  if (code === '42P01' || errno === 1146 || code === 'ER_NO_SUCH_TABLE' || /no such table/i.test(String(message))) {
+    return new Error(`KnexStorage: the table "${table}" does not exist: create it with createTable: true, or beforehand with createIdempotencyTable (in a migration)`, { cause: error })
+  }
+  // knex puts the statement before the driver's message: only the latter says what happened.
+  const reason = String(message ?? error).split('\n')[0]!.split(' - ').pop()!.trim()
+  return new Error(`KnexStorage: the database cannot be used: ${reason}${typeof code === 'string' ? ` (${code})` : ''}`, { cause: error })
 }
 
 /** A response to store, as the dialects write it; its values are checked before any statement. */
