@@ -148,12 +148,15 @@ export class IdempotencyRequestInProgressError extends IdempotencyError {
   readonly code = 'FST_IDEMPOTENCY_REQUEST_IN_PROGRESS'
   /** Whole seconds after which a retry is likely to find the response (also sent as `Retry-After`). */
   readonly retryAfter: number
+  /** Milliseconds after which a retry is likely to find the response (also sent as `Retry-After-Ms`): what a broker's delayed redelivery takes. */
+  readonly retryAfterMs: number
 
   /** `retryAfterSeconds` may be fractional: `Retry-After-Ms` carries it to the millisecond. */
   constructor (idempotencyKey: string, retryAfterSeconds: number) {
     const headers = retryAfterHeaders(retryAfterSeconds)
     super('A request with this Idempotency-Key is still being processed; retry after it completes.', 409, idempotencyKey, headers)
     this.retryAfter = Number(headers['retry-after'])
+    this.retryAfterMs = Number(headers['retry-after-ms'])
   }
 }
 shareIdentity(IdempotencyRequestInProgressError, 'IdempotencyRequestInProgressError')

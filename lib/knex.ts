@@ -18,13 +18,17 @@ export {
 } from './storage/knex/schema.js'
 
 /**
- * The knex transaction of a request on a route in transaction mode (`transaction: true`), typed.
- * Throws when the request has none (the route is not in transaction mode, or has no key).
+ * The knex transaction of a request on a route in transaction mode (`transaction: true`), or of a
+ * function run with `run` in transaction mode (its context), typed. Throws when there is none (not
+ * in transaction mode, or a request without a key).
  */
-export function transactionOf (request: FastifyRequest): Knex.Transaction {
-  const transaction = (request as FastifyRequest & { idempotency?: { transaction?: unknown } | null }).idempotency?.transaction
+export function transactionOf (requestOrContext: FastifyRequest | { readonly transaction: unknown }): Knex.Transaction {
+  // A request has its raw message; a run's context has none.
+  const transaction = 'raw' in requestOrContext
+    ? (requestOrContext as FastifyRequest & { idempotency?: { transaction?: unknown } | null }).idempotency?.transaction
+    : requestOrContext.transaction
   if (transaction === undefined || transaction === null) {
-    throw new Error('fastify-idempotency: this request has no transaction (is the route in transaction mode, with KnexStorage, and did the request carry an Idempotency-Key?)')
+    throw new Error('fastify-idempotency: there is no transaction here (is it in transaction mode, with KnexStorage, and did the request carry an Idempotency-Key?)')
   }
   return transaction as Knex.Transaction
 }

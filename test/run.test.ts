@@ -12,6 +12,7 @@ import { MemoryStorage } from '../lib/storage/memory.js'
 import { newKey } from './helpers/app.js'
 import { Gate } from './helpers/gate.js'
 import { storeCases } from './helpers/stores.js'
+import { transactionOf } from '../lib/knex.js'
 
 const cases = await storeCases()
 const KEY_1 = Buffer.alloc(32, 7).toString('base64')
@@ -135,6 +136,33 @@ for (const store of cases) {
       expect(fn.runs).toBe(1)
     })
 
+    it('keeps a recovery point\'s result with the codec given to context.step, and tells a duplicate in flight when to come back in ms', async () => {
+      const idem = open()
+      class Card { constructor (readonly last4: string) {} }
+      const codec = { serialize: (card: Card) => card.last4, deserialize: (data: Buffer) => new Card(data.toString()) }
+      const key = newKey('step-codec')
+      let tokenized = 0
+      let runs = 0
+      const fn = async ({ step }: RunContext) => {
+        const card = await step('tokenize', () => { tokenized++; return new Card('4242') }, codec)
+        if (++runs === 1) throw new Error('after tokenizing')
+        return { card: card instanceof Card ? card.last4 : 'not a Card' }
+      }
+      await expect(idem.run(key, {}, fn)).rejects.toThrow('after tokenizing')
+      expect(await idem.run(key, {}, fn)).toEqual({ card: '4242' })
+      expect(tokenized).toBe(1)
+      const gate = new Gate()
+      const held = newKey('retry-ms')
+      const first = idem.run(held, {}, async () => { await gate.hold(); return 1 })
+      await gate.entered
+      const refused = await idem.run(held, {}, () => 2).catch((error: unknown) => error) as IdempotencyRequestInProgressError
+      expect(refused).toBeInstanceOf(IdempotencyRequestInProgressError)
+      expect(refused.retryAfterMs).toBeGreaterThanOrEqual(100)
+      expect(refused.retryAfter).toBe(Math.max(1, Math.ceil(refused.retryAfterMs / 1000)))
+      gate.open()
+      await first
+    })
+
     it('keeps scopes apart: one key in two scopes is two operations', async () => {
       const idem = open()
       const key = newKey('scoped')
@@ -200,8 +228,8 @@ for (const store of cases) {
       await knex.schema.createTable(table, (t) => { t.string('ref', 100) })
       try {
         const idem = open({ transaction: true })
-        const write = (ref: string, fail: boolean) => async ({ transaction }: { transaction: unknown }) => {
-          await (transaction as typeof knex)(table).insert({ ref })
+        const write = (ref: string, fail: boolean) => async (context: RunContext) => {
+          await transactionOf(context)(table).insert({ ref })
           if (fail) throw new Error('after the write')
           return ref
         }

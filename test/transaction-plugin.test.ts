@@ -131,7 +131,7 @@ describe('transaction mode (plugin side)', () => {
     app.post('/o', { config: { idempotency: true } }, async (request) => ({ trx: transactionOf(request) !== undefined }))
     const res = await app.inject({ method: 'POST', url: '/o', headers: { 'idempotency-key': 'k-2' }, payload: {} })
     expect(res.statusCode).toBe(500)
-    expect(res.json().message).toMatch(/this request has no transaction \(is the route in transaction mode/)
+    expect(res.json().message).toMatch(/there is no transaction here \(is it in transaction mode/)
   })
 
   it('refuses transaction mode on a storage without transactions, at start-up', async () => {

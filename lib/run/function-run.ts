@@ -38,7 +38,7 @@ export interface RunContext {
    */
   readonly transaction: unknown
   /** A recovery point, as `request.idempotency.step` (docs/recovery-points.md). */
-  step: <T>(name: string, fn: StepFunction<T>) => Promise<T>
+  step: <T>(name: string, fn: StepFunction<T>, codec?: ValueCodec<T>) => Promise<T>
 }
 
 /**
@@ -71,7 +71,7 @@ function contextOf (engine: RouteEngine, state: RequestState): RunContext {
   return {
     key: state.key,
     transaction: state.transaction?.handle,
-    step: async <S>(name: string, step: StepFunction<S>) => await runStep(engine, state, name, step)
+    step: async <S>(name: string, step: StepFunction<S>, codec?: ValueCodec<S>) => await runStep(engine, state, name, step, codec)
   }
 }
 
