@@ -1,6 +1,6 @@
 /**
- * `fastify-idempotency/redis`: RedisStorage, on an ioredis Redis or Cluster client.
+ * `fastify-idempotency/redis`: RedisStorage, on a client of ioredis, iovalkey, node-redis or Valkey GLIDE.
  *
  * @module fastify-idempotency/redis
  */
-export { RedisStorage, type RedisStorageOptions } from './storage/redis/index.js'
+export { RedisStorage, type RedisStorageClient, type RedisStorageOptions } from './storage/redis/index.js'

@@ -5,7 +5,7 @@ import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
 import type { StoredResponse } from '../lib/storage/types.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
-import { redisNameScenarios } from './helpers/redis-names.js'
+import { redisClientSuite } from './helpers/redis-client-suite.js'
 import { runWaitExit } from './helpers/redis-wait-exit.js'
 
 const availability = redisClusterAvailability()
@@ -25,7 +25,6 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
   const clients: Cluster[] = []
   let client: Cluster
   let pipelined: Cluster
-  let prefixed: Cluster
 
   function newCluster (extra: ClusterOptions = {}): Cluster {
     const created = new Cluster(cluster!.nodes, { redisOptions: { maxRetriesPerRequest: 1 }, ...extra })
@@ -37,7 +36,6 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     cluster = await startRedisCluster()
     client = newCluster()
     pipelined = newCluster({ enableAutoPipelining: true })
-    prefixed = newCluster({ enableAutoPipelining: true, keyPrefix: PREFIX + 'key-prefix:' })
   }, 60_000)
 
   afterAll(async () => {
@@ -51,9 +49,13 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
   const harness = { describe, it, beforeEach, afterAll }
   storageConformance('redis cluster', () => new RedisStorage({ client, prefix: PREFIX }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
   storageConformance('redis cluster with enableAutoPipelining', () => new RedisStorage({ client: pipelined, prefix: PREFIX + 'pipelined:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
-  storageConformance('redis cluster with a keyPrefix', () => new RedisStorage({ client: prefixed, prefix: 'conformance:' }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
-  // The keyPrefix as a Cluster also takes it, from the options of its nodes.
-  redisNameScenarios({ label: 'a Cluster client with a keyPrefix in its redisOptions', connect: () => newCluster({ redisOptions: { maxRetriesPerRequest: 1, keyPrefix: PREFIX + 'names:' } }) })
+  // A keyPrefix, as a Cluster also takes it from the options of its nodes.
+  redisClientSuite({
+    label: 'an ioredis Cluster with a keyPrefix in its redisOptions',
+    connect: async () => newCluster({ enableAutoPipelining: true, redisOptions: { maxRetriesPerRequest: 1, keyPrefix: PREFIX + 'names:' } }),
+    close: async (created) => { await (created as Cluster).quit() },
+    keyPrefix: PREFIX + 'names:'
+  }, () => client)
 
   it('lets a process that waited on a Cluster end by itself once its app is closed', async () => {
     const run = await runWaitExit({ MODE: 'cluster', REDIS_CLUSTER_PORTS: cluster!.nodes.map((node) => node.port).join(','), PREFIX: PREFIX + 'exit:' })

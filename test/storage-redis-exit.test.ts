@@ -11,6 +11,12 @@ import { runWaitExit } from './helpers/redis-wait-exit.js'
 
 const redis = await service(REDIS)
 const PREFIX = `test:redis-exit:${process.pid}:${Date.now()}:`
+const CLIENTS: Record<string, string> = {
+  'fastify-redis': '@fastify/redis\'s client',
+  'own-client': 'an ioredis client the app quits in onClose',
+  'node-redis': 'a node-redis client the app closes in onClose',
+  glide: 'a Valkey GLIDE client the app closes in onClose (its subscriber lasts only while someone waits)'
+}
 
 describe.skipIf(!redis.available)('a process that used RedisStorage\'s wait mode ends by itself once closed' + redis.reason, () => {
   afterAll(async () => {
@@ -19,8 +25,8 @@ describe.skipIf(!redis.available)('a process that used RedisStorage\'s wait mode
     await client.quit()
   })
 
-  for (const mode of ['fastify-redis', 'own-client', 'outside']) {
-    it(mode === 'outside' ? 'the store used without the plugin, its client quit' : `the plugin, on ${mode === 'fastify-redis' ? '@fastify/redis\'s client' : 'a client the app quits in onClose'}`, async () => {
+  for (const mode of ['fastify-redis', 'own-client', 'node-redis', 'glide', 'outside']) {
+    it(mode === 'outside' ? 'the store used without the plugin, its client quit' : `the plugin, on ${CLIENTS[mode]}`, async () => {
       const run = await runWaitExit({ MODE: mode, REDIS_HOST: REDIS.host, REDIS_PORT: String(REDIS.port), PREFIX: `${PREFIX}${mode}:` })
       if (mode !== 'outside') expect(run.stdout, run.stderr).toContain('REPLAYED true')
       expect(run.exitedByItself, `${run.stdout}${run.stderr}`).toBe(true)

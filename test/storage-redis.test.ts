@@ -301,18 +301,24 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       expect(own.stream.writableCorked).toBe(0)
     })
 
-    it('works with a client of another copy of ioredis, through the client\'s own methods', async () => {
+    it('works with a client of another copy of ioredis, through that copy\'s own Command objects, batched as well', async () => {
       const { Redis: OtherRedis } = secondIoredis()
       expect(OtherRedis).not.toBe(Redis)
       const other = new OtherRedis({ ...options, enableAutoPipelining: true }) as unknown as Redis
       try {
+        await other.ping()
         const storage = new RedisStorage({ client: other, prefix: PREFIX + 'other-copy:' })
-        const sent = vi.spyOn(other, 'setBuffer')
-        const key = freshKey('other-copy')
-        const token = tokenOf(await storage.begin(key, 'fp', LEASE))
-        expect(sent).toHaveBeenCalledTimes(1)
-        expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
-        const replay = await storage.begin(key, 'fp', LEASE)
+        const sent = vi.spyOn(other, 'sendCommand')
+        const methods = vi.spyOn(other, 'setBuffer')
+        const writev = vi.spyOn(other.stream as unknown as { _writev: unknown }, '_writev' as never)
+        const keys = [freshKey('other-copy'), freshKey('other-copy')]
+        const [first, second] = await Promise.all(keys.map((key) => storage.begin(key, 'fp', LEASE)))
+        expect(sent).toHaveBeenCalledTimes(2)
+        expect(methods).not.toHaveBeenCalled()
+        expect(writev).toHaveBeenCalledTimes(1)
+        expect(await storage.complete(keys[0]!, tokenOf(first!), response, EXPIRY)).toBe(true)
+        expect(await storage.release(keys[1]!, tokenOf(second!))).toBe(true)
+        const replay = await storage.begin(keys[0]!, 'fp', LEASE)
         expect(replay.state === 'completed' && replay.response.body.equals(response.body)).toBe(true)
       } finally {
         other.disconnect()
@@ -389,6 +395,35 @@ describe.skipIf(!redis.available)('RedisStorage on a real Redis' + redis.reason,
       await again
       await storage.close()
       await vi.waitFor(async () => { expect(await subscribed()).toBe(0) })
+    })
+
+    it('lets no waiter mark a lease before the subscription to its channel is confirmed, so no end goes unheard', async () => {
+      const own = newClient()
+      const storage = new RedisStorage({ client: own, prefix: PREFIX + 'subscribe-order:' })
+      // The subscriber's SUBSCRIBE is held back until the test lets it go.
+      let confirm!: () => void
+      const confirmed = new Promise<void>((resolve) => { confirm = resolve })
+      const duplicate = own.duplicate.bind(own)
+      vi.spyOn(own, 'duplicate').mockImplementation(((...args: Parameters<Redis['duplicate']>) => {
+        const connection = duplicate(...args)
+        const subscribe = connection.subscribe.bind(connection) as (...channels: string[]) => Promise<unknown>
+        connection.subscribe = (async (...channels: string[]) => { await confirmed; return await subscribe(...channels) }) as typeof connection.subscribe
+        return connection
+      }) as Redis['duplicate'])
+      const key = freshKey('subscribe-order')
+      const token = tokenOf(await storage.begin(key, 'fp', LEASE))
+      const first = storage.waitFor(key, 60_000)
+      const second = storage.waitFor(key, 60_000)
+      // Whatever either waiter sent on the client has been answered by now.
+      await own.ping()
+      // The lease ends while the subscription is still unconfirmed: nobody can hear its PUBLISH.
+      expect(await storage.complete(key, token, response, EXPIRY)).toBe(true)
+      confirm()
+      const woken = Promise.all([first, second])
+      let timer: NodeJS.Timeout | undefined
+      await Promise.race([woken, new Promise((_resolve, reject) => { timer = setTimeout(() => reject(new Error('a waiter was not woken within 10 s')), 10_000) })])
+      clearTimeout(timer)
+      await storage.close()
     })
 
     it('works with the client @fastify/redis decorates as fastify.redis', async () => {

@@ -4,18 +4,27 @@ import { TokenGenerator } from '../tokens.js'
 import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from '../types.js'
 import { KeyWaiters, type Waiter } from '../waiters.js'
 import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
-import { channelOf, clientKeyPrefix, redisKeyOf } from './keys.js'
+import { driverFor, type RedisDriver, type Subscription } from './driver.js'
+import type { GlideLikeClient } from './glide.js'
+import { channelOf, redisKeyOf } from './keys.js'
+import type { NodeRedisClient, NodeRedisCluster } from './node-redis.js'
 import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.js'
-import { RedisCommands } from './commands.js'
 import { END_LEASE, MARK_WAITING, RENEW } from './scripts.js'
+
+/**
+ * A client RedisStorage works with: an ioredis 5 or 6 (or iovalkey) `Redis` or `Cluster`
+ * (`fastify.redis` from @fastify/redis too), a node-redis 5 or 6 client or cluster
+ * (`createClient`, `createCluster`), or a Valkey GLIDE 2 `GlideClient` or `GlideClusterClient`.
+ */
+export type RedisStorageClient = Redis | Cluster | NodeRedisClient | NodeRedisCluster | GlideLikeClient
 
 /** Options of `new RedisStorage()` (docs/stores/redis.md). */
 export interface RedisStorageOptions {
   /**
-   * An ioredis `Redis` or `Cluster` client (`fastify.redis` from @fastify/redis works too). The
-   * storage never closes it: whoever created the client closes it.
+   * The client (see RedisStorageClient), connected or connecting. The storage never closes it:
+   * whoever created the client closes it.
    */
-  client: Redis | Cluster
+  client: RedisStorageClient
   /** Prepended to every Redis key. No `{` or `}` (see `redisKey`). Default `'idempotency:'`. */
   prefix?: string
 }
@@ -33,8 +42,6 @@ export interface RedisStorageOptions {
  * Cluster goes to every node).
  */
 
-type Subscriber = (Redis | Cluster) & { on: (event: string, listener: (...args: unknown[]) => void) => unknown }
-
 /** What the scripts compare a lease's first bytes with. */
 function fence (leaseToken: string): string {
   return fenceOf(splitLeaseToken(leaseToken).token)
@@ -45,39 +52,36 @@ function beginResult (value: Buffer | null, token: string, fingerprint: string):
   if (value === null) return { state: 'acquired', token: joinLeaseToken({ token, fingerprint }) }
   const found = decodeValue(value)
   if (found.state === 'completed') return found
-  // This very SET, sent again: ioredis resends the commands a lost connection left unanswered,
-  // and the first one had taken the lease.
+  // This very SET, sent again: a client (ioredis) may resend the commands a lost connection left
+  // unanswered, and the first one had taken the lease.
   if (found.token === token) return { state: 'acquired', token: joinLeaseToken({ token, fingerprint }) }
   return { state: 'in-flight', fingerprint: found.fingerprint, lockExpiresAt: found.lockExpiresAt }
 }
 
 /**
- * Idempotency storage on Redis or Redis Cluster through ioredis: one string per key, every
- * operation one command (`begin`) or one short script and one round trip, leases and entries
- * expired by Redis itself.
+ * Idempotency storage on Redis, Valkey or a cluster of either, through ioredis, iovalkey,
+ * node-redis or Valkey GLIDE (driver.ts): one string per key, every operation one command
+ * (`begin`) or one short script and one round trip, leases and entries expired by Redis itself.
  */
 export class RedisStorage implements IdempotencyStorage {
-  /** How the commands on a request's path are sent (commands.ts); it holds the client. */
-  readonly #commands: RedisCommands
+  /** The client, through the driver of its family (driver.ts). */
+  readonly #driver: RedisDriver
   readonly #open: string
-  /** The client's own keyPrefix, in front of the names a script publishes on (keys.ts). */
-  readonly #keyPrefix: string
   readonly #tokens = new TokenGenerator()
   /** What the operations (inspect, forget, listInFlight) see of this storage. */
   readonly #view: RedisView
-  #subscriber: Promise<Subscriber> | null = null
+  #subscription: Promise<Subscription> | null = null
   /** Whether the storage listens for the client's end, to close the subscriber with it. */
   #followsClient = false
+  /** The channels subscribed to (a request waits on each), each with its subscription's confirmation. */
+  readonly #channels = new Map<string, Promise<void>>()
   /** Requests waiting, per channel; the last one gone unsubscribes from it. */
-  readonly #waiters = new KeyWaiters((channel) => {
-    void this.#subscriber?.then((connection) => connection.unsubscribe(channel)).catch(() => {})
-  })
+  readonly #waiters = new KeyWaiters((channel) => { this.#idle(channel) })
 
   constructor (options: RedisStorageOptions) {
-    const client = options?.client as unknown as { defineCommand?: unknown, evalsha?: unknown } | undefined
-    // `defineCommand` tells ioredis from other clients that also have `evalsha` and `eval`.
-    if (client === undefined || client === null || typeof client.defineCommand !== 'function' || typeof client.evalsha !== 'function') {
-      throw new TypeError('RedisStorage: `client` must be an ioredis Redis or Cluster instance')
+    const driver = driverFor(options?.client)
+    if (driver === null) {
+      throw new TypeError('RedisStorage: `client` must be a client of ioredis (Redis or Cluster, @fastify/redis\'s too), iovalkey, node-redis (createClient or createCluster) or Valkey GLIDE (GlideClient or GlideClusterClient)')
     }
     const prefix = options.prefix ?? 'idempotency:'
     if (typeof prefix !== 'string') throw new TypeError('RedisStorage: `prefix` must be a string')
@@ -85,15 +89,14 @@ export class RedisStorage implements IdempotencyStorage {
     if (prefix.includes('{') || prefix.includes('}')) {
       throw new TypeError('RedisStorage: `prefix` must not contain `{` or `}`; the storage places its own hash tag')
     }
-    const keyPrefix = clientKeyPrefix(options.client)
-    // On a Cluster, braces in the client's keyPrefix would make its hash tag every key's: one slot.
-    if ((options.client as { isCluster?: boolean }).isCluster === true && (keyPrefix.includes('{') || keyPrefix.includes('}'))) {
-      throw new TypeError(`RedisStorage: the Cluster client's \`keyPrefix\` (${JSON.stringify(keyPrefix)}) must not contain \`{\` or \`}\`: its hash tag would put every idempotency key in one slot, on one node. Give the storage a client without it (the storage's own \`prefix\` keeps apps apart)`)
+    const { keyPrefix } = driver
+    // On a cluster, braces in the client's keyPrefix would make its hash tag every key's: one slot.
+    if (driver.cluster && (keyPrefix.includes('{') || keyPrefix.includes('}'))) {
+      throw new TypeError(`RedisStorage: the ${driver.family} client's \`keyPrefix\` (${JSON.stringify(keyPrefix)}) must not contain \`{\` or \`}\`: its hash tag would put every idempotency key in one slot, on one node. Give the storage a client without it (the storage's own \`prefix\` keeps apps apart)`)
     }
-    this.#commands = new RedisCommands(options.client)
+    this.#driver = driver
     this.#open = prefix + '{'
-    this.#keyPrefix = keyPrefix
-    this.#view = { client: options.client, open: this.#open, keyPrefix }
+    this.#view = { driver, open: this.#open }
   }
 
   /**
@@ -111,9 +114,10 @@ export class RedisStorage implements IdempotencyStorage {
     const redisKey = this.redisKey(key)
     let value
     try {
-      value = await this.#commands.send('set', [redisKey, lease, 'PX', ms, 'NX', 'GET']) as Buffer | null
+      value = await this.#driver.call('set', redisKey, [lease, 'PX', String(ms), 'NX', 'GET']) as Buffer | null
     } catch (error) {
-      if (!(error instanceof Error) || error.name !== 'ReplyError') {
+      const code = this.#driver.replyCode(error)
+      if (code === null) {
         // Sent but unanswered (a command timeout, a connection lost for good): the SET may have
         // taken the lease. Give it back, fenced by this call's token, once Redis can be reached.
         this.release(key, token).catch(() => {})
@@ -121,8 +125,8 @@ export class RedisStorage implements IdempotencyStorage {
       }
       // A Redis full under noeviction refuses SET even for a key that exists; what is there can
       // still be read, so a replay or an in-flight answer does not fail with it.
-      if (!error.message.startsWith('OOM')) throw error
-      const existing = await this.#commands.send('get', [redisKey]) as Buffer | null
+      if (code !== 'OOM') throw error
+      const existing = await this.#driver.call('get', redisKey, []) as Buffer | null
       if (existing === null) throw error
       value = existing
     }
@@ -133,48 +137,70 @@ export class RedisStorage implements IdempotencyStorage {
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const lease = splitLeaseToken(token)
     const entry = encodeEntry(lease.fingerprint, response, Date.now())
-    return await END_LEASE.run(this.#commands, this.redisKey(key), fenceOf(lease.token), entry, duration('RedisStorage', 'expiration', expiration)) === 1
+    return Number(await this.#driver.script(END_LEASE, this.redisKey(key), [fenceOf(lease.token), entry, String(duration('RedisStorage', 'expiration', expiration))])) === 1
   }
 
   async release (key: string, token: string): Promise<boolean> {
-    return await END_LEASE.run(this.#commands, this.redisKey(key), fence(token)) === 1
+    return Number(await this.#driver.script(END_LEASE, this.redisKey(key), [fence(token)])) === 1
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
     const ms = duration('RedisStorage', 'lockTimeout', lockTimeout)
-    return await RENEW.run(this.#commands, this.redisKey(key), fence(token), Date.now() + ms, ms) === 1
+    return Number(await this.#driver.script(RENEW, this.redisKey(key), [fence(token), String(Date.now() + ms), String(ms)])) === 1
   }
 
   /**
    * Wait for the lease on `key` to end, woken by the PUBLISH of the script that ends it. One
-   * subscriber connection per storage (a duplicate of the client, opened on the first wait),
-   * one channel per key in wait, subscribed before the key is checked so no end is missed.
+   * subscriber connection per storage (opened on the first wait), one channel per key in wait,
+   * subscribed before the key is checked so no end is missed.
    */
   async waitFor (key: string, timeout: number): Promise<void> {
     const redisKey = this.redisKey(key)
-    const channel = this.#keyPrefix + channelOf(redisKey)
-    let subscriber = this.#subscriber
-    if (subscriber === null) {
-      const opening = subscriber = this.#subscriber = this.#subscribe()
+    // The scripts publish on the key's name as Redis has it, the client's keyPrefix included.
+    const channel = this.#driver.keyPrefix + channelOf(redisKey)
+    let subscription = this.#subscription
+    if (subscription === null) {
+      const opening = subscription = this.#subscription = this.#subscribe()
       // One that could not be opened is not kept: the next wait tries again.
-      opening.catch(() => { if (this.#subscriber === opening) this.#subscriber = null })
+      opening.catch(() => { if (this.#subscription === opening) this.#subscription = null })
     }
-    const first = !this.#waiters.has(channel)
     const waiter = this.#waiters.add(channel, timeout)
-    void this.#watch(subscriber, first, channel, redisKey, waiter)
+    // Every waiter of a channel waits for the one subscription to it before it marks the lease:
+    // a mark made before the subscription is confirmed could make the holder publish unheard.
+    let subscribed = this.#channels.get(channel)
+    if (subscribed === undefined) {
+      subscribed = subscription.then((connection) => connection.subscribe(channel))
+      this.#channels.set(channel, subscribed)
+    }
+    void this.#watch(subscribed, redisKey, waiter)
     await waiter.promise
   }
 
-  /** Subscribe (once per channel), then mark the lease; settles the waiter if there is none. */
-  async #watch (subscriber: Promise<Subscriber>, first: boolean, channel: string, redisKey: string, waiter: Waiter): Promise<void> {
+  /** Once subscribed, mark the lease; settles the waiter if there is none. */
+  async #watch (subscribed: Promise<void>, redisKey: string, waiter: Waiter): Promise<void> {
     try {
-      if (first) await (await subscriber).subscribe(channel)
+      await subscribed
       // Subscribed: an end from now on is heard (the mark makes the holder publish it). One that
       // came before is seen here: there is no lease left to mark.
-      if (await MARK_WAITING.run(this.#commands, redisKey) === 0) waiter.settle()
+      if (Number(await this.#driver.script(MARK_WAITING, redisKey, [])) === 0) waiter.settle()
     } catch (error) {
       waiter.settle(error)
     }
+  }
+
+  /** Nobody waits on `channel` any more: unsubscribe, and close a subscriber nobody needs. */
+  #idle (channel: string): void {
+    this.#channels.delete(channel)
+    const subscription = this.#subscription
+    if (subscription === null) return
+    if (this.#channels.size === 0 && !this.#followsClient) {
+      // A client that never says when it is closed (GLIDE, a node-redis cluster): the
+      // subscriber must not hold the process open, so it lasts only while someone waits.
+      this.#subscription = null
+      void subscription.then((connection) => { connection.close() }, () => {})
+      return
+    }
+    void subscription.then((connection) => connection.unsubscribe(channel)).catch(() => {})
   }
 
   async inspect (key: string): Promise<StoredState> {
@@ -193,38 +219,38 @@ export class RedisStorage implements IdempotencyStorage {
 
   /** Ends the subscriber connection this storage opened; the client itself belongs to the caller. */
   async close (): Promise<void> {
-    const subscriber = this.#subscriber
-    this.#subscriber = null
+    const subscription = this.#subscription
+    this.#subscription = null
+    this.#channels.clear()
     this.#waiters.wakeAll()
-    if (subscriber !== null) (await subscriber.catch(() => null))?.disconnect()
+    if (subscription !== null) (await subscription.catch(() => null))?.close()
   }
 
   /**
-   * The subscriber connection, a duplicate of the client, lives as long as the client: when the
-   * client ends (its owner quits it, as @fastify/redis does when the app closes), so does the
-   * subscriber, so that it never holds a process open that its owner has closed. Nothing else in
-   * an app knows that this connection exists.
+   * The subscriber connection lives as long as the client: when the client ends (its owner quits
+   * it, as @fastify/redis does when the app closes), so does the subscriber, so that it never holds
+   * a process open that its owner has closed. Nothing else in an app knows that it exists. A client
+   * that never says when it ends gets a subscriber only while someone waits (`#idle`).
    */
-  async #subscribe (): Promise<Subscriber> {
-    const client = this.#commands.client as Redis
-    if (client.status === 'end') throw new Error('RedisStorage: the client has been closed')
+  async #subscribe (): Promise<Subscription> {
+    const driver = this.#driver
+    if (driver.ended) throw new Error('RedisStorage: the client has been closed')
     if (!this.#followsClient) {
-      this.#followsClient = true
-      client.once('end', () => {
+      this.#followsClient = driver.onClientEnd(() => {
         this.#followsClient = false
         void this.close()
       })
     }
-    const connection = client.duplicate() as Subscriber
-    connection.on('message', (channel: unknown) => { this.#waiters.wake(String(channel)) })
-    // A broken subscriber fails the waits in progress (the plugin then polls) and is replaced on
-    // the next wait; its errors must not go unhandled.
-    connection.on('error', () => {})
-    connection.on('end', () => {
-      if (this.#subscriber === null) return
-      this.#subscriber = null
-      this.#waiters.wakeAll(new Error('RedisStorage: subscriber connection ended'))
+    return await driver.subscribe({
+      message: (channel) => { this.#waiters.wake(channel) },
+      // A broken subscriber fails the waits in progress (the plugin then polls), and the next
+      // wait opens a new one.
+      lost: (error) => {
+        if (this.#subscription === null) return
+        this.#subscription = null
+        this.#channels.clear()
+        this.#waiters.wakeAll(error)
+      }
     })
-    return connection
   }
 }

@@ -7,7 +7,7 @@
  * `keyPrefix` goes in front of each), and everything named outside them (a SCAN's MATCH pattern and
  * the keys it returns, a pub/sub channel), which no client rewrites. The scripts name the channel
  * from KEYS[1] as Redis sees it, keyPrefix included; so the storage subscribes to, and scans for,
- * names with the client's keyPrefix in front (`clientKeyPrefix`), and hands back to its commands
+ * names with the client's keyPrefix in front (`keyPrefixText`, read by each driver), and hands back to its commands
  * the keys a SCAN found without it.
  */
 import { isUtf8 } from 'node:buffer'
@@ -50,12 +50,11 @@ export function channelOf (redisKey: string): string {
 }
 
 /**
- * What a client puts in front of every key argument it sends (ioredis's `keyPrefix`, which a
- * Cluster also takes from its `redisOptions`), or ''. A Buffer keyPrefix counts as its UTF-8 text,
- * which is how the storage's names are sent.
+ * A client's `keyPrefix` option (ioredis's, which a Cluster also takes from its `redisOptions`;
+ * node-redis 6's) as the text in front of every key it sends, or ''. A Buffer counts as its UTF-8
+ * text, which is how the storage's names are sent.
  */
-export function clientKeyPrefix (client: object): string {
-  const prefix = (client as { options?: { keyPrefix?: unknown } }).options?.keyPrefix
+export function keyPrefixText (prefix: unknown): string {
   if (typeof prefix === 'string') return prefix
   if (Buffer.isBuffer(prefix)) {
     if (!isUtf8(prefix)) throw new TypeError('RedisStorage: the client\'s `keyPrefix` must be text (a Buffer of valid UTF-8)')

@@ -1,9 +1,8 @@
 /**
  * RedisStorage's Lua scripts, each on one key (KEYS[1]), and how they are sent. Every offset they
- * use comes from the value layout (codec.ts).
+ * use comes from the value layout (codec.ts). Every driver (driver.ts) sends the same ones.
  */
 import { createHash } from 'node:crypto'
-import type { CommandArg, RedisCommands } from './commands.js'
 import { FENCE_LENGTH, LEASE_TAG, SEPARATOR, WAITERS_OFFSET, WAITING } from './codec.js'
 import { CHANNEL_SUFFIX } from './keys.js'
 
@@ -85,7 +84,7 @@ return 1
  * The operators' `forget`. ARGV: '1' to remove a lease too. Returns 0 (nothing
  * there), 1 (an entry, removed), 2 (a lease, removed), or -1 (a lease, kept) with its remaining PTTL.
  */
-export const FORGET_LUA = `
+const FORGET_LUA = `
 local head = redis.call('GETRANGE', KEYS[1], '0', '${WAITERS_OFFSET}')
 if head == '' then
   return {0, 0}
@@ -105,39 +104,48 @@ return {2, 0}
 `
 
 /**
- * A script sent as `EVALSHA`, and as `EVAL` (which also loads it into the server) the first time
- * on each client and whenever the server answers NOSCRIPT: after a restart, a failover or a
- * SCRIPT FLUSH, or on a cluster node that has not seen it yet. Sent as plain commands
- * (commands.ts) rather than through ioredis's `defineCommand`, whose wrapper adds an extra
- * promise, a callback adapter and a rejection hook to every call (8.2 against 10.6 µs of client
- * CPU per call: bench/analysis.md#measurements-behind-the-design), and defines nothing on the
- * client.
+ * A script, sent as `EVALSHA`, and as `EVAL` (which also loads it into the server) the first time
+ * through each driver and whenever the server answers NOSCRIPT: after a restart, a failover or a
+ * SCRIPT FLUSH, or on a cluster node that has not seen it yet (`evalScript`). Sent as plain
+ * commands rather than through a client's own script helpers (ioredis's `defineCommand` adds an
+ * extra promise, a callback adapter and a rejection hook to every call: 8.2 against 10.6 µs of
+ * client CPU per call, docs/benchmarks.md#measurements-behind-the-design), and defines nothing on
+ * the client.
  */
-class Script {
-  readonly #lua: string
-  readonly #sha: string
-  /** Clients this script was sent to as EVAL once already. */
-  readonly #loaded = new WeakSet<object>()
+export class Script {
+  readonly lua: string
+  readonly sha: string
 
   constructor (lua: string) {
-    this.#lua = lua
-    this.#sha = createHash('sha1').update(lua).digest('hex')
+    this.lua = lua
+    this.sha = createHash('sha1').update(lua).digest('hex')
   }
+}
 
-  async run (commands: RedisCommands, key: string, ...args: CommandArg[]): Promise<number> {
-    const client = commands.client
-    if (this.#loaded.has(client)) {
-      try {
-        return Number(await commands.send('evalsha', [this.#sha, 1, key, ...args]))
-      } catch (error) {
-        if (!(error instanceof Error) || !error.message.startsWith('NOSCRIPT')) throw error
-      }
+/**
+ * Run `script` on `key` through `send` (a driver's EVALSHA or EVAL of one key): EVAL the first
+ * time (`loaded` records it), EVALSHA from then on, EVAL again after NOSCRIPT.
+ */
+export async function evalScript (
+  loaded: Set<Script>,
+  script: Script,
+  send: (name: 'evalsha' | 'eval', body: string) => Promise<unknown>,
+  replyCode: (error: unknown) => string | null
+): Promise<unknown> {
+  if (loaded.has(script)) {
+    try {
+      return await send('evalsha', script.sha)
+    } catch (error) {
+      if (replyCode(error) !== 'NOSCRIPT') throw error
     }
-    this.#loaded.add(client)
-    return Number(await commands.send('eval', [this.#lua, 1, key, ...args]))
   }
+  loaded.add(script)
+  return await send('eval', script.lua)
 }
 
 export const END_LEASE = new Script(END_LEASE_LUA)
 export const RENEW = new Script(RENEW_LUA)
 export const MARK_WAITING = new Script(MARK_WAITING_LUA)
+/** The operators' `inspect`: the value and its remaining time to live, of the same moment. */
+export const READ_WITH_TTL = new Script("return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}")
+export const FORGET = new Script(FORGET_LUA)

@@ -1,0 +1,76 @@
+/**
+ * What RedisStorage needs of a Redis client, whichever library it comes from: one command on one
+ * key, a script on one key, a SCAN of every master, a subscriber connection, and the client's end.
+ * One driver per client family (ioredis.ts: ioredis 5 and 6, iovalkey; node-redis.ts: `redis` 5
+ * and 6; glide.ts: Valkey GLIDE 2), each a Redis and a Cluster, chosen by `driverFor` from the
+ * client the storage is given. The storage sends the same commands, scripts and channels through
+ * each.
+ */
+import { GlideDriver, isGlide } from './glide.js'
+import { IoredisDriver, isIoredis } from './ioredis.js'
+import { keyPrefixText } from './keys.js'
+import { isNodeRedis, NodeRedisDriver, nodeRedisKeyPrefix } from './node-redis.js'
+import type { Script } from './scripts.js'
+
+/** A command's argument, as every client takes it. */
+export type CommandArg = string | Buffer
+
+/** The storage's side of a subscriber connection (wait mode). */
+export interface Subscription {
+  subscribe: (channel: string) => Promise<void>
+  unsubscribe: (channel: string) => Promise<void>
+  /** Close it; nothing more is heard. */
+  close: () => void
+}
+
+export interface SubscriptionEvents {
+  /** A message on `channel` (a name as Redis has it). */
+  message: (channel: string) => void
+  /** The connection is gone for good: the waits in progress can no longer be woken. */
+  lost: (error: Error) => void
+}
+
+export interface RedisDriver {
+  /** The client family, as messages name it. */
+  readonly family: string
+  /** A cluster client: it routes each command to its key's slot. */
+  readonly cluster: boolean
+  /**
+   * What Redis sees in front of every key this driver sends (the client's `keyPrefix`), '' for
+   * none: names the storage builds outside key arguments (SCAN patterns, channels) carry it too.
+   */
+  readonly keyPrefix: string
+  /** `name key ...args`, routed by `key`; string replies as Buffers (or null). */
+  call: (name: string, key: string, args: CommandArg[]) => Promise<unknown>
+  /** `script` on `key` (EVALSHA, and EVAL when the server lacks it); integer replies as numbers. */
+  script: (script: Script, key: string, args: CommandArg[]) => Promise<unknown>
+  /** The names matching `pattern` (as Redis has them), batch by batch, on every master. */
+  scan: (pattern: string, count: number) => AsyncGenerator<string[]>
+  /**
+   * A subscriber connection of the storage's own, opened now. Its lifetime is the driver's to keep
+   * within the client's: see `closesWithClient`.
+   */
+  subscribe: (events: SubscriptionEvents) => Promise<Subscription>
+  /**
+   * Call `listener` once when the client ends for good (its owner closed it). `false` when the
+   * client never says: the storage then closes its subscriber as soon as nobody waits.
+   */
+  onClientEnd: (listener: () => void) => boolean
+  /** The client has been closed by its owner. */
+  readonly ended: boolean
+  /**
+   * The error Redis answered with, by its first word (`NOSCRIPT`, `OOM`, `WRONGTYPE`), or `null`
+   * for an error that is not Redis's answer (a timeout, a connection lost): such a command may
+   * have run.
+   */
+  replyCode: (error: unknown) => string | null
+}
+
+/** The driver for `client`, by what it is; `null` for a client of no family this storage knows. */
+export function driverFor (client: unknown): RedisDriver | null {
+  if (typeof client !== 'object' || client === null) return null
+  if (isIoredis(client)) return new IoredisDriver(client, keyPrefixText((client as { options?: { keyPrefix?: unknown } }).options?.keyPrefix))
+  if (isNodeRedis(client)) return new NodeRedisDriver(client, keyPrefixText(nodeRedisKeyPrefix(client)))
+  if (isGlide(client)) return new GlideDriver(client)
+  return null
+}
