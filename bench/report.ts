@@ -166,6 +166,9 @@ export function evaluateBars (summary: Summary[]): BarResult[] {
 const PEER_PAIRS: Array<{ peer: string, ours: string }> = [
   { peer: 'node-idem-memory', ours: 'memory' },
   { peer: 'node-idem-redis', ours: 'redis' },
+  { peer: 'node-idem-redis', ours: 'redis-node-redis' },
+  { peer: 'node-idem-redis', ours: 'redis-glide' },
+  { peer: 'node-idem-redis', ours: 'redis-iovalkey' },
   { peer: 'express-idempotency', ours: 'memory' }
 ]
 

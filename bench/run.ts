@@ -247,7 +247,7 @@ function packageVersion (name: string): string {
 
 function versions (): Record<string, string> {
   const names = ['fastify', 'ioredis', 'knex', 'pg', 'better-sqlite3', 'autocannon', 'tsx', 'express', 'express-idempotency',
-    '@node-idempotency/core', '@node-idempotency/storage-adapter-memory', '@node-idempotency/storage-adapter-redis', 'redis', 'lru-cache']
+    '@node-idempotency/core', '@node-idempotency/storage-adapter-memory', '@node-idempotency/storage-adapter-redis', 'redis', 'iovalkey', '@valkey/valkey-glide', 'lru-cache']
   return Object.fromEntries(names.map((n) => [n, packageVersion(n)]))
 }
 

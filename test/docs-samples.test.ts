@@ -127,7 +127,7 @@ function parsePage (page: string): Sample[] {
     const file = join(work, page.replace(/\.md$/, '').replaceAll('/', '__'), name)
     const text = body.join('\n')
     const needs: ServiceConfig[] = []
-    if (/from '(ioredis|@fastify\/redis)'/.test(text)) needs.push(REDIS)
+    if (/from '(ioredis|iovalkey|redis|@fastify\/redis|@valkey\/valkey-glide)'/.test(text)) needs.push(REDIS)
     if (/client: 'pg'|DATABASE_URL/.test(text)) needs.push(POSTGRES)
     if (/client: 'mysql2?'/.test(text)) needs.push(MARIADB)
     if (/from 'amqplib'/.test(text)) needs.push(RABBITMQ)

@@ -17,6 +17,8 @@ describe('Redis drivers', () => {
   it('are chosen by what the client is, and none for anything else', () => {
     expect([ioredis.family, nodeRedis.family, glide.family]).toEqual(['ioredis', 'node-redis', 'Valkey GLIDE'])
     for (const other of [null, undefined, 'redis://', {}, { sendCommand () {} }]) expect(driverFor(other)).toBeNull()
+    // node-redis 4's client: commandOptions, and no withTypeMapping.
+    expect(() => driverFor({ sendCommand () {}, commandOptions () {} })).toThrow(/node-redis 4 is not supported/)
   })
 
   it('read a Redis error by its first word, and find none in a failure of their own', () => {

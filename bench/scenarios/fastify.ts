@@ -1,9 +1,11 @@
 /**
- * The Fastify scenarios: the bare route, the plugin (unflagged route, memory, Redis, PostgreSQL,
- * SQLite), the in-process floor and the Redis floor. Every one serves the same `POST /orders`
+ * The Fastify scenarios: the bare route, the plugin (unflagged route, memory, Redis on each client,
+ * PostgreSQL, SQLite), the in-process floor and the Redis floor. Every one serves the same `POST /orders`
  * with the same handler.
  */
 import { hash, randomBytes } from 'node:crypto'
+import { createRequire } from 'node:module'
+import { pathToFileURL } from 'node:url'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import { Redis } from 'ioredis'
 import { benchEnv, ExecutionCounter, KEY_HEADER, placeOrder, ROUTE, type BenchServer, type OrderBody } from './common.js'
@@ -163,6 +165,44 @@ export async function redis (): Promise<BenchServer> {
   app.setErrorHandler(idempotencyErrorHandler())
   app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
   return await listen(app, counter, async () => { await client.quit() })
+}
+
+/**
+ * The plugin on Redis through another client: node-redis 6 (its defaults, RESP3), Valkey GLIDE 2
+ * (RESP3) or iovalkey. The same storage, scripts and keys; only the client differs.
+ */
+export async function redisOn (family: 'node-redis' | 'glide' | 'iovalkey'): Promise<BenchServer> {
+  // From the repository's own dependencies: bench/node_modules has the peer's node-redis 4.
+  const fromRoot = createRequire(new URL('../../package.json', import.meta.url))
+  const load = async <T>(name: string): Promise<T> => await import(pathToFileURL(fromRoot.resolve(name)).href) as T
+  const { idempotency, idempotencyErrorHandler } = await loadCore()
+  const { RedisStorage } = await loadRedisStorage()
+  const { redisHost: host, redisPort: port, tag } = benchEnv()
+  let client: ConstructorParameters<typeof RedisStorage>[0]['client']
+  let close: () => Promise<void>
+  if (family === 'node-redis') {
+    const { createClient } = await load<typeof import('redis')>('redis')
+    const nodeRedis = createClient({ socket: { host, port } })
+    await nodeRedis.connect()
+    client = nodeRedis as unknown as typeof client
+    close = async () => { nodeRedis.destroy() }
+  } else if (family === 'glide') {
+    const { GlideClient } = await load<typeof import('@valkey/valkey-glide')>('@valkey/valkey-glide')
+    const glide = await GlideClient.createClient({ addresses: [{ host, port }] })
+    client = glide as unknown as typeof client
+    close = async () => { glide.close() }
+  } else {
+    const { Redis: Valkey } = await load<typeof import('iovalkey')>('iovalkey')
+    const valkey = new Valkey({ host, port, enableAutoPipelining: true })
+    client = valkey as unknown as typeof client
+    close = async () => { await valkey.quit() }
+  }
+  const app = newApp()
+  const counter = new ExecutionCounter()
+  await app.register(idempotency, { storage: new RedisStorage({ client, prefix: `bench:${tag}:idem-${family}:` }) })
+  app.setErrorHandler(idempotencyErrorHandler())
+  app.post(ROUTE, { config: { idempotency: true } }, orderHandler(counter))
+  return await listen(app, counter, close)
 }
 
 /**

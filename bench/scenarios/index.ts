@@ -115,6 +115,42 @@ export const SCENARIOS: readonly ScenarioInfo[] = [
     start: async () => await (await import('./fastify.js')).redis()
   },
   {
+    name: 'redis-node-redis',
+    short: 'RedisStorage, node-redis',
+    guarded: true,
+    label: 'fastify-idempotency, RedisStorage on node-redis 6',
+    kind: 'ours',
+    store: 'redis',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: 'redis-floor',
+    start: async () => await (await import('./fastify.js')).redisOn('node-redis')
+  },
+  {
+    name: 'redis-glide',
+    short: 'RedisStorage, GLIDE',
+    guarded: true,
+    label: 'fastify-idempotency, RedisStorage on Valkey GLIDE 2',
+    kind: 'ours',
+    store: 'redis',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: 'redis-floor',
+    start: async () => await (await import('./fastify.js')).redisOn('glide')
+  },
+  {
+    name: 'redis-iovalkey',
+    short: 'RedisStorage, iovalkey',
+    guarded: true,
+    label: 'fastify-idempotency, RedisStorage on iovalkey',
+    kind: 'ours',
+    store: 'redis',
+    framework: 'fastify',
+    workloads: THROUGHPUT,
+    baseline: 'redis-floor',
+    start: async () => await (await import('./fastify.js')).redisOn('iovalkey')
+  },
+  {
     name: 'pg-floor',
     short: 'PostgreSQL floor',
     guarded: false,

@@ -66,9 +66,15 @@ export interface RedisDriver {
   replyCode: (error: unknown) => string | null
 }
 
-/** The driver for `client`, by what it is; `null` for a client of no family this storage knows. */
+/**
+ * The driver for `client`, by what it is; `null` for a client of no family this storage knows.
+ * node-redis 4 (no type mapping: its replies cannot be bytes) is refused by name.
+ */
 export function driverFor (client: unknown): RedisDriver | null {
   if (typeof client !== 'object' || client === null) return null
+  if (typeof (client as { commandOptions?: unknown }).commandOptions === 'function' && !isNodeRedis(client)) {
+    throw new TypeError('RedisStorage: node-redis 4 is not supported (its replies cannot be read as bytes): use `redis` 5 or 6, ioredis, iovalkey or Valkey GLIDE')
+  }
   if (isIoredis(client)) return new IoredisDriver(client, keyPrefixText((client as { options?: { keyPrefix?: unknown } }).options?.keyPrefix))
   if (isNodeRedis(client)) return new NodeRedisDriver(client, keyPrefixText(nodeRedisKeyPrefix(client)))
   if (isGlide(client)) return new GlideDriver(client)
