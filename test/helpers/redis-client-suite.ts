@@ -138,6 +138,10 @@ export function redisClientSuite (clientCase: RedisClientCase, reader: () => Red
       }
     }
 
+    it('passes the start-up check (ready)', async () => {
+      await storage.ready()
+    })
+
     storageConformance(clientCase.label, () => storage, { describe, it, beforeEach, afterAll }, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
 
     describe('over HTTP', () => {

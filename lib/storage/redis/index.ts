@@ -150,6 +150,30 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   /**
+   * The start-up check (the plugin calls it when the app starts): the server takes begin's very
+   * `SET … PX … NX GET` (Redis 7.0 or later, or Valkey), and runs the storage's scripts (EVAL not
+   * disabled, nor refused by an ACL), on a probe key outside the keys of idempotency keys (no hash
+   * tag, so no key of the storage can be it), which expires within a second. A server that cannot
+   * be reached fails it too, or never answers it (the plugin gives up at `storeTimeout`).
+   */
+  async ready (): Promise<void> {
+    const probe = this.#open.slice(0, -1) + 'ready-probe'
+    let step = 'SET … PX … NX GET'
+    try {
+      await this.#driver.call('set', probe, ['probe', 'PX', '1000', 'NX', 'GET'])
+      step = 'a script (EVAL)'
+      await this.#driver.script(END_LEASE, probe, [fenceOf(this.#tokens.next())])
+    } catch (error) {
+      const reason = error instanceof Error ? error.message.split('\n')[0]! : String(error)
+      const code = this.#driver.replyCode(error)
+      if (code === null) throw new Error(`RedisStorage: Redis cannot be reached through the ${this.#driver.family} client: ${reason}`, { cause: error })
+      if (code === 'NOPERM') throw new Error(`RedisStorage: the client's Redis user may not run ${step} (ACL): ${reason}`, { cause: error })
+      if (step.startsWith('SET') && /syntax/i.test(reason)) throw new Error(`RedisStorage: the server refuses SET with NX and GET together, which needs Redis 7.0 or later (or Valkey): ${reason}`, { cause: error })
+      throw new Error(`RedisStorage: the server refuses ${step}: ${reason}`, { cause: error })
+    }
+  }
+
+  /**
    * Wait for the lease on `key` to end, woken by the PUBLISH of the script that ends it. One
    * subscriber connection per storage (opened on the first wait), one channel per key in wait,
    * subscribed before the key is checked so no end is missed.
