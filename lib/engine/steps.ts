@@ -103,7 +103,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
 
   const { door, settings, renewal } = engine
   if (settings.transaction && door.singleConnection) {
-    throw new TypeError(`fastify-idempotency: step '${name}': recovery points in transaction mode need a database that serves a second connection beside the request's transaction (PostgreSQL, MySQL/MariaDB); SQLite has one`)
+    throw new TypeError(`fastify-idempotency: step '${name}': recovery points in transaction mode need a second connection beside the request's transaction: SQLite has one, and so has a knex pool of max 1 (give it 2 or more)`)
   }
   const recordHash = hash('sha256', `${state.storageKey}\n${name}`, 'base64url')
   const stepKey = stepRecordPrefix(state.storageKey) + recordHash

@@ -22,7 +22,7 @@ import { dialectOptions, type KnexStorageOptions, type PurgeExpiredOptions } fro
 import { forgetRow, inspectRow, listLeaseRows } from './operations.js'
 import { PgListener } from './pg-listener.js'
 import { PostgresDialect } from './postgres.js'
-import { RequestSlots } from './request-slots.js'
+import { RequestSlots, poolSize } from './request-slots.js'
 import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
 import { createIdempotencyTable, sqlDialect, type SqlDialect } from './schema.js'
 import { SqliteDialect } from './sqlite.js'
@@ -81,9 +81,9 @@ export class KnexStorage implements TransactionalStorage {
     return this.#dialect.table
   }
 
-  /** SQLite: knex gives it one connection, which an open transaction holds. */
+  /** SQLite (knex gives it one connection), or a pool of one: an open transaction holds it. */
   get singleConnection (): boolean {
-    return this.#dialect.name === 'sqlite'
+    return this.#dialect.name === 'sqlite' || poolSize(this.#dialect.knex) === 1
   }
 
   /** The SQL family of the knex instance: `'postgres'`, `'mysql'` or `'sqlite'`. */

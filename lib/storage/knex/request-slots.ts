@@ -12,7 +12,7 @@ import type { Knex } from 'knex'
 const KNEX_DEFAULT_POOL = 10
 
 /** The most connections knex's pool opens. */
-function poolSize (knex: Knex): number {
+export function poolSize (knex: Knex): number {
   const client = knex.client as { pool?: { max?: unknown }, config?: { pool?: { max?: unknown } } }
   const max = Number(client.pool?.max ?? client.config?.pool?.max ?? KNEX_DEFAULT_POOL)
   return Number.isSafeInteger(max) && max > 0 ? max : KNEX_DEFAULT_POOL
