@@ -153,8 +153,12 @@ export class StoreDoor {
   }
 
   /**
-   * Wait for the store's signal that the lease on `key` may have ended, at most `timeout` ms (the
-   * store's own part of it, subscribing, bounded by the deadline). Only when `signals`.
+   * Wait for the store's signal that the lease on `key` may have ended, at most `timeout` ms. Only
+   * when `signals`. The deadline bounds the whole wait, not only the store's part of it
+   * (subscribing): a round of waiting ends within `storeTimeout` whatever `timeout` says, and the
+   * duplicate then asks the store again. So a signal that never comes (a subscriber connection that
+   * reconnected meanwhile, a store that cannot tell) costs one `begin` per `storeTimeout`, not the
+   * rest of the wait; and closing the app, which stops the deadline, ends every wait at once.
    */
   waitFor (key: string, timeout: number): Promise<void> {
     return this.#deadline.run('waitFor', () => this.storage.waitFor!(key, timeout))
