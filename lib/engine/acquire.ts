@@ -11,11 +11,13 @@ import {
   IdempotencyStoredResponseUnreadableError,
   type IdempotencyError
 } from '../errors.js'
-import type { StoredResponse } from '../storage/types.js'
+import type { BeginInFlight, StoredResponse } from '../storage/types.js'
 import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal, type FingerprintComparison } from './fingerprint-check.js'
 import type { RequestState } from './request-state.js'
+import { isPromise, type MaybePromise } from './maybe-promise.js'
 import type { RouteEngine } from './route-engine.js'
+import type { TakenLease } from './store-door.js'
 
 export type Acquisition =
   /** The request holds the lease: run the handler. */
@@ -34,21 +36,35 @@ const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
  * Ask the store about a request in phase `keyed`, known by `storageKey` and `fingerprint`
  * (`fingerprinted` compares a stored fingerprint that differs as text; see fingerprint-check.ts).
  * The answer moves the request to its next phase (request-state.ts): `running`, `replayed`,
- * `refused` or `unprotected`.
+ * `refused` or `unprotected`. It comes at once when the store answers at once and nothing is to
+ * be waited for (maybe-promise.ts); otherwise in a promise.
  *
  * The request is in flight from here until it is settled (engine/in-flight.ts); once the app is
  * closing, a request that has not reached the store yet is refused instead.
  */
-export async function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null = null): Promise<Acquisition> {
+export function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null = null): MaybePromise<Acquisition> {
   state.startAcquiring(storageKey, fingerprint, fingerprinted)
   if (!engine.inFlight.enter(state, engine.reporter)) return advance(state, { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) })
-  let acquisition: Acquisition | undefined
+  let answer: MaybePromise<Acquisition>
   try {
-    acquisition = advance(state, await begin(engine, state))
-    return acquisition
+    answer = ask(engine, state)
+  } catch (error) {
+    engine.inFlight.leave(state)
+    throw error
+  }
+  if (!isPromise(answer)) return answered(engine, state, answer)
+  return answer.then((acquisition) => answered(engine, state, acquisition), (error: unknown) => {
+    engine.inFlight.leave(state)
+    throw error
+  })
+}
+
+/** The request moves to the phase its answer leads to; only one that runs its handler stays in flight (settling it ends it). */
+function answered (engine: RouteEngine, state: RequestState, acquisition: Acquisition): Acquisition {
+  try {
+    return advance(state, acquisition)
   } finally {
-    // Only a request that runs its handler stays in flight: settling it ends it.
-    if (acquisition?.outcome !== 'run') engine.inFlight.leave(state)
+    if (acquisition.outcome !== 'run') engine.inFlight.leave(state)
   }
 }
 
@@ -63,50 +79,84 @@ function advance (state: RequestState, acquisition: Acquisition): Acquisition {
   return acquisition
 }
 
-async function begin (engine: RouteEngine, state: RequestState): Promise<Acquisition> {
-  const { settings, reporter, door, renewal } = engine
-  const { storageKey, fingerprint } = state
-  const waitUntil = settings.waitTimeout > 0 ? Date.now() + settings.waitTimeout : 0
+/** The store is asked again: a duplicate in flight, to be waited for (wait mode). */
+const WAIT = Symbol('wait')
+
+/** The store's first answer, and what it leads to; waiting, when there is a duplicate to wait for, in `keepAsking`. */
+function ask (engine: RouteEngine, state: RequestState): MaybePromise<Acquisition> {
+  const waitUntil = engine.settings.waitTimeout > 0 ? Date.now() + engine.settings.waitTimeout : 0
+  let taken: MaybePromise<TakenLease>
+  try {
+    taken = engine.door.begin(state.storageKey, state.fingerprint, (since) => engine.renewal.inTime(since))
+  } catch (error) {
+    return beginFailed(engine, state, error)
+  }
+  if (isPromise(taken)) return taken.then((first) => answerOrWait(engine, state, first, waitUntil), (error: unknown) => beginFailed(engine, state, error))
+  return answerOrWait(engine, state, taken, waitUntil)
+}
+
+function answerOrWait (engine: RouteEngine, state: RequestState, taken: TakenLease, waitUntil: number): MaybePromise<Acquisition> {
+  const decided = decide(engine, state, taken, 0, waitUntil)
+  return decided === WAIT ? keepAsking(engine, state, taken.result as BeginInFlight, waitUntil) : decided
+}
+
+/** Wait for the holder of the lease, ask again, and again, until the answer is not "wait". */
+async function keepAsking (engine: RouteEngine, state: RequestState, holder: BeginInFlight, waitUntil: number): Promise<Acquisition> {
   for (let attempt = 0; ; attempt++) {
+    const now = Date.now()
+    await waitForLease(engine, state.storageKey, holder.lockExpiresAt - now, waitUntil - now, attempt)
+    if (engine.inFlight.closed) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
     let taken
     try {
-      taken = await door.begin(storageKey, fingerprint, (since) => renewal.inTime(since))
+      taken = await engine.door.begin(state.storageKey, state.fingerprint, (since) => engine.renewal.inTime(since))
     } catch (error) {
-      // A value the store cannot read records an operation that may have happened: never run again.
-      if (error instanceof UnreadableEntryError) return unreadable(engine, state, error)
-      // Once close has stopped waiting, the store is closed by the app: never run unprotected then.
-      if (settings.failOpen && !engine.inFlight.closed) {
-        reporter.report(state, 'store-error', { phase: 'begin', failOpen: true, error }, 'warn', 'idempotency store unavailable: running the handler without protection (failOpen)')
-        return UNPROTECTED
-      }
-      reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency store unavailable: answering 503')
-      return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
+      return beginFailed(engine, state, error)
     }
-    const { result } = taken
-    if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
-    if (result.state === 'acquired') {
-      if (engine.inFlight.closed) return await closedMeanwhile(engine, state, result.token)
-      const acquiredAt = Date.now()
-      if (settings.transaction) {
-        const refused = await openTransaction(engine, state, result.token)
-        if (refused !== null) return refused
-      }
+    const decided = decide(engine, state, taken, attempt + 1, waitUntil)
+    if (decided !== WAIT) return await decided
+    holder = taken.result as BeginInFlight
+  }
+}
+
+/** A `begin` that failed: the store cannot be read (409), is down (503), or the route fails open. */
+function beginFailed (engine: RouteEngine, state: RequestState, error: unknown): Acquisition {
+  const { settings, reporter } = engine
+  // A value the store cannot read records an operation that may have happened: never run again.
+  if (error instanceof UnreadableEntryError) return unreadable(engine, state, error)
+  // Closing has stopped waiting (and the call with it), and the app closes the store next: the
+  // request is refused as closing, never run unprotected, and the store is not said to be down.
+  if (engine.inFlight.closed) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
+  if (settings.failOpen) {
+    reporter.report(state, 'store-error', { phase: 'begin', failOpen: true, error }, 'warn', 'idempotency store unavailable: running the handler without protection (failOpen)')
+    return UNPROTECTED
+  }
+  reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency store unavailable: answering 503')
+  return { outcome: 'refuse', error: new IdempotencyStoreUnavailableError(state.key, error) }
+}
+
+/** What one answer of the store leads to (the `attempt`th, counting from 0); WAIT for a duplicate in flight to wait for. */
+function decide (engine: RouteEngine, state: RequestState, taken: TakenLease, attempt: number, waitUntil: number): MaybePromise<Acquisition> | typeof WAIT {
+  const { settings, reporter, renewal } = engine
+  const { result } = taken
+  if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
+  if (result.state === 'acquired') {
+    if (engine.inFlight.closed) return closedMeanwhile(engine, state, result.token)
+    const acquiredAt = Date.now()
+    const hold = (): Acquisition => {
       state.hold(result.token, acquiredAt)
       renewal.hold(state, taken.since)
       return RUN
     }
-    // A different request under this key is refused whether the first one finished or not.
-    const refusal = fingerprintRefusal(engine, state, result.fingerprint)
-    if (refusal !== null) return { outcome: 'refuse', error: refusal }
-    if (result.state === 'completed') return replay(engine, state, result.response)
-    const now = Date.now()
-    if (now >= waitUntil) {
-      reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
-      return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
-    }
-    await waitForLease(engine, storageKey, result.lockExpiresAt - now, waitUntil - now, attempt)
-    if (engine.inFlight.closed) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
+    return settings.transaction ? openTransaction(engine, state, result.token).then((refused) => refused ?? hold()) : hold()
   }
+  // A different request under this key is refused whether the first one finished or not.
+  const refusal = fingerprintRefusal(engine, state, result.fingerprint)
+  if (refusal !== null) return { outcome: 'refuse', error: refusal }
+  if (result.state === 'completed') return replay(engine, state, result.response)
+  const now = Date.now()
+  if (now < waitUntil) return WAIT
+  reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
+  return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
 }
 
 /**

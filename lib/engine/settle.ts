@@ -9,6 +9,7 @@ import type { IdempotencyEvent } from '../diagnostics.js'
 import type { StorageTransaction, StoredResponse } from '../storage/types.js'
 import type { RequestState } from './request-state.js'
 import { callOnCopy, storeIfKeeps, type ResponseCallbacks } from './route-callbacks.js'
+import { isPromise, type MaybePromise } from './maybe-promise.js'
 import type { RouteEngine } from './route-engine.js'
 
 /** Why an executed request's response was not stored. */
@@ -52,37 +53,70 @@ const STORED: Settlement = { stored: true, deliverable: true }
  * the key back, as `ending` says. The request ends in `ended`, or in `storing` while storing is
  * retried in the background.
  */
-export async function settle (engine: RouteEngine, state: RequestState, ending: Ending): Promise<Settlement> {
-  let retrying = false
+export function settle (engine: RouteEngine, state: RequestState, ending: Ending): MaybePromise<Settlement> {
+  let settled: MaybePromise<Settlement>
   try {
     engine.renewal.drop(state)
     engine.durations.record(performance.now() - state.started)
-    const { kept, final } = await decide(engine, state, ending)
-    const settlement = state.transaction === null
-      ? await settleAlone(engine, state, final)
-      : await settleTransaction(engine, state, state.transaction, final)
-    if (settlement.retrying === true && final.kind === 'store') {
-      retrying = true
-      state.storeInBackground()
-      void keepStoring(engine, state, final, kept!)
-    } else {
-      reportExecuted(engine, state, ending.statusCode, settlement, kept)
-      state.end()
-    }
-    return settlement
-  } finally {
-    // Storing in the background keeps the request in flight until it ends.
-    if (!retrying) engine.inFlight.leave(state)
+    const decided = decide(engine, state, ending)
+    settled = isPromise(decided) ? decided.then((what) => keep(engine, state, ending, what)) : keep(engine, state, ending, decided)
+  } catch (error) {
+    engine.inFlight.leave(state)
+    throw error
   }
+  if (!isPromise(settled)) return left(engine, state, settled)
+  return settled.then((settlement) => left(engine, state, settlement), (error: unknown) => {
+    engine.inFlight.leave(state)
+    throw error
+  })
+}
+
+/** The request leaves the in-flight registry, unless storing goes on in the background: it leaves when that ends. */
+function left (engine: RouteEngine, state: RequestState, settlement: Settlement): Settlement {
+  if (settlement.retrying !== true) engine.inFlight.leave(state)
+  return settlement
+}
+
+/** What is to become of the response, decided: store it (or give the key back), then say so. */
+interface Decided {
+  /** The response as kept, before sealing (for events); `null` when nothing is kept. */
+  kept: StoredResponse | null
+  /** The ending with what goes to the store. */
+  final: Ending
+}
+
+function keep (engine: RouteEngine, state: RequestState, ending: Ending, { kept, final }: Decided): MaybePromise<Settlement> {
+  const settled = state.transaction === null ? settleAlone(engine, state, final) : settleTransaction(engine, state, state.transaction, final)
+  return isPromise(settled) ? settled.then((settlement) => reported(engine, state, ending, final, kept, settlement)) : reported(engine, state, ending, final, kept, settled)
+}
+
+/** Say what became of the request; storing that failed goes on in the background (`storing`). */
+function reported (engine: RouteEngine, state: RequestState, ending: Ending, final: Ending, kept: StoredResponse | null, settlement: Settlement): Settlement {
+  if (settlement.retrying === true && final.kind === 'store') {
+    state.storeInBackground()
+    void keepStoring(engine, state, final, kept!)
+  } else {
+    reportExecuted(engine, state, ending.statusCode, settlement, kept)
+    state.end()
+  }
+  return settlement
 }
 
 /**
  * What is to become of the response: the route's `storeIf` may decline it (the key is given back),
- * its `redact` takes out what must not be kept, and with encryption it is sealed. `kept` is the
- * response as kept, before sealing (for events); `final` the ending with what goes to the store.
+ * its `redact` takes out what must not be kept, and with encryption it is sealed. At once when the
+ * route has neither `storeIf` nor `redact`.
  */
-async function decide ({ settings, door: { cipher } }: RouteEngine, state: RequestState, ending: Ending): Promise<{ kept: StoredResponse | null, final: Ending }> {
+function decide ({ settings, door: { cipher } }: RouteEngine, state: RequestState, ending: Ending): MaybePromise<Decided> {
   if (ending.kind === 'give-back') return { kept: null, final: ending }
+  const { storeIf, redact } = state.callbacks
+  if (storeIf === null && redact === null) {
+    return { kept: ending.response, final: cipher === null ? ending : { kind: 'store', statusCode: ending.statusCode, response: cipher.seal(state.storageKey, ending.response) } }
+  }
+  return decideWithCallbacks(settings, cipher, state, ending)
+}
+
+async function decideWithCallbacks (settings: RouteEngine['settings'], cipher: RouteEngine['door']['cipher'], state: RequestState, ending: Extract<Ending, { kind: 'store' }>): Promise<Decided> {
   const { storeIf, redact } = state.callbacks
   // The route's storeIf sees the answer as sent, before redact takes anything out of it.
   if (storeIf !== null && !await storeIfKeeps(state, storeIf, ending.response, settings.storeTimeout)) {
@@ -115,28 +149,46 @@ async function redacted (state: RequestState, redact: NonNullable<ResponseCallba
   }
 }
 
-async function settleAlone (engine: RouteEngine, state: RequestState, ending: Ending): Promise<Settlement> {
-  const { door, reporter } = engine
+/** Store the response (or give the key back) outside a transaction: at once on a store that answers at once. */
+function settleAlone (engine: RouteEngine, state: RequestState, ending: Ending): MaybePromise<Settlement> {
   if (ending.kind === 'give-back') {
+    const gaveBack: Settlement = { stored: false, reason: ending.reason, deliverable: true }
+    let released: MaybePromise<boolean>
     try {
-      await door.release(state.storageKey, state.token)
+      released = engine.door.release(state.storageKey, state.token)
     } catch (error) {
-      reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but the key stays locked until its lease lapses')
+      return releaseFailed(engine, state, gaveBack, error)
     }
-    return { stored: false, reason: ending.reason, deliverable: true }
+    return isPromise(released) ? released.then(() => gaveBack, (error: unknown) => releaseFailed(engine, state, gaveBack, error)) : gaveBack
   }
+  let stored: MaybePromise<boolean>
   try {
-    if (await complete(engine, state, ending.response)) return STORED
-    reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response was stored: this response was not stored')
-    return { stored: false, reason: 'lease-lost', deliverable: true }
+    stored = complete(engine, state, ending.response)
   } catch (error) {
-    reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency store failed to store the response after the handler ran: the response was sent, and storing is retried while the lease is held')
-    return { stored: false, reason: 'store-error', deliverable: true, retrying: true }
+    return completeFailed(engine, state, error)
   }
+  return isPromise(stored) ? stored.then((held) => completed(engine, state, held), (error: unknown) => completeFailed(engine, state, error)) : completed(engine, state, stored)
+}
+
+function releaseFailed ({ reporter }: RouteEngine, state: RequestState, gaveBack: Settlement, error: unknown): Settlement {
+  reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency store failed after the handler ran: the response was sent but the key stays locked until its lease lapses')
+  return gaveBack
+}
+
+/** `complete` answered: stored, or the lease was lost. */
+function completed ({ reporter }: RouteEngine, state: RequestState, held: boolean): Settlement {
+  if (held) return STORED
+  reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response was stored: this response was not stored')
+  return { stored: false, reason: 'lease-lost', deliverable: true }
+}
+
+function completeFailed ({ reporter }: RouteEngine, state: RequestState, error: unknown): Settlement {
+  reporter.report(state, 'store-error', { phase: 'complete', error }, 'error', 'idempotency store failed to store the response after the handler ran: the response was sent, and storing is retried while the lease is held')
+  return { stored: false, reason: 'store-error', deliverable: true, retrying: true }
 }
 
 /** Store `response`, within storeTimeout; a call given up that still succeeds marks the state. */
-function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse): Promise<boolean> {
+function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse): MaybePromise<boolean> {
   return door.complete(state.storageKey, state.token, response, (stored) => {
     if (stored) state.storedLate = true
   })
@@ -206,9 +258,11 @@ async function settleTransaction ({ door, reporter }: RouteEngine, state: Reques
     await door.rollback(transaction).catch(() => {})
   }
   if (reason === undefined) return STORED
-  await door.release(state.storageKey, state.token).catch((error: unknown) => {
+  try {
+    await door.release(state.storageKey, state.token)
+  } catch (error) {
     reporter.report(state, 'store-error', { phase: 'release', error }, 'error', 'idempotency lease could not be released: the key stays locked until its lease lapses')
-  })
+  }
   // An error answer rolled back is what the client expects, and so is one its route's storeIf
   // declined (a retry runs it again, so its writes must not stay); a success whose writes were
   // rolled back (lease lost, commit failed, or a body that cannot be stored) is not.

@@ -21,8 +21,8 @@
  * key over and be running) is not used: the call fails as a store failure does.
  */
 import type { ResponseCipher } from '../encryption.js'
-import { MemoryStorage } from '../storage/memory.js'
-import type { BeginResult, IdempotencyStorage, StorageTransaction, StoredResponse, StoredState, TransactionalStorage, TransactionOptions } from '../storage/types.js'
+import { SYNCHRONOUS_STEPS, type BeginResult, type IdempotencyStorage, type StorageTransaction, type StoredResponse, type StoredState, type SynchronousSteps, type TransactionalStorage, type TransactionOptions } from '../storage/types.js'
+import type { MaybePromise } from './maybe-promise.js'
 import { StoreDeadline } from './store-deadline.js'
 
 /** `begin` granted a lease that had lapsed before it could be used. */
@@ -49,19 +49,30 @@ export interface DoorSettings {
 
 const noop = (): void => {}
 
+/** The store's steps answered at once, when it has them and its own methods are the ones they stand for. */
+function synchronousSteps (storage: IdempotencyStorage): SynchronousSteps | null {
+  const steps = (storage as { [SYNCHRONOUS_STEPS]?: SynchronousSteps })[SYNCHRONOUS_STEPS]
+  if (steps === undefined) return null
+  const { of } = steps
+  return storage.begin === of.begin && storage.complete === of.complete && storage.release === of.release ? steps : null
+}
+
 export class StoreDoor {
   readonly storage: IdempotencyStorage
   /** Seals what is stored and opens what is replayed; `null` without encryption. */
   readonly cipher: ResponseCipher | null
   readonly #settings: DoorSettings
   readonly #deadline: StoreDeadline
+  /** The store's steps answered at once, when it has them: begin, complete and release make no promise. */
+  readonly #sync: SynchronousSteps | null
 
   constructor (storage: IdempotencyStorage, settings: DoorSettings, cipher: ResponseCipher | null = null) {
     this.storage = storage
     this.cipher = cipher
     this.#settings = settings
-    // The embedded store answers from this process's memory and cannot hang: nothing to bound.
-    this.#deadline = new StoreDeadline(storage instanceof MemoryStorage ? 0 : settings.storeTimeout)
+    this.#sync = synchronousSteps(storage)
+    // A store that answers from this process's memory (MemoryStorage) cannot hang: nothing to bound.
+    this.#deadline = new StoreDeadline(this.#sync === null ? settings.storeTimeout : 0)
   }
 
   /** The store's class name, for events and logs. */
@@ -85,9 +96,18 @@ export class StoreDoor {
   /**
    * Take the lease on `key` (or learn what holds it), so that the engine can rely on it: a lease
    * granted to a call given up on is given back at once; one answered after `inTime` says renewal
-   * would reach it is renewed first, and refused (LeaseLapsedError) when it lapsed meanwhile.
+   * would reach it is renewed first, and refused (LeaseLapsedError) when it lapsed meanwhile. A
+   * store that answers at once answers here at once (and throws at once), in time by definition.
    */
-  async begin (key: string, fingerprint: string, inTime: (since: number) => boolean): Promise<TakenLease> {
+  begin (key: string, fingerprint: string, inTime: (since: number) => boolean): MaybePromise<TakenLease> {
+    if (this.#sync !== null) {
+      const since = Date.now()
+      return { result: this.#sync.begin(key, fingerprint, this.#settings.lockTimeout), since }
+    }
+    return this.#beginLater(key, fingerprint, inTime)
+  }
+
+  async #beginLater (key: string, fingerprint: string, inTime: (since: number) => boolean): Promise<TakenLease> {
     const { lockTimeout } = this.#settings
     const sentAt = Date.now()
     const result = await this.#deadline.run('begin', () => this.storage.begin(key, fingerprint, lockTimeout), (late) => {
@@ -110,9 +130,10 @@ export class StoreDoor {
 
   /**
    * Store `response` under the lease `token` holds: `false` when the lease was lost. A call given up
-   * on that still goes through tells `late`.
+   * on that still goes through tells `late`. At once on a store that answers at once.
    */
-  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop): Promise<boolean> {
+  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop): MaybePromise<boolean> {
+    if (this.#sync !== null) return this.#sync.complete(key, token, response, this.#settings.expiration)
     return this.#deadline.run('complete', () => this.storage.complete(key, token, response, this.#settings.expiration), late)
   }
 
@@ -121,8 +142,12 @@ export class StoreDoor {
     return this.#deadline.run('renew', () => this.storage.renew(key, token, this.#settings.lockTimeout))
   }
 
-  /** Drop the lease `token` holds without storing anything; rejects when the store fails. */
-  release (key: string, token: string): Promise<boolean> {
+  /**
+   * Drop the lease `token` holds without storing anything; fails when the store fails. At once on
+   * a store that answers at once.
+   */
+  release (key: string, token: string): MaybePromise<boolean> {
+    if (this.#sync !== null) return this.#sync.release(key, token)
     return this.#deadline.run('release', () => this.storage.release(key, token))
   }
 
@@ -131,7 +156,11 @@ export class StoreDoor {
    * holder's lease, and a lease the store could not drop lapses within `lockTimeout`.
    */
   async giveBack (key: string, token: string): Promise<void> {
-    await this.release(key, token).catch(noop)
+    try {
+      await this.release(key, token)
+    } catch {
+      // Lapses within lockTimeout.
+    }
   }
 
   /** Open a transaction (transaction mode); one opened for a call given up on is rolled back. */

@@ -14,8 +14,9 @@
  *
  * Hooks are created per route from that route's settings, so nothing here looks options up.
  */
-import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerAsyncHookHandler, preValidationHookHandler } from 'fastify'
-import { acquire } from '../engine/acquire.js'
+import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerHookHandler, preValidationHookHandler } from 'fastify'
+import { acquire, type Acquisition } from '../engine/acquire.js'
+import { isPromise, type MaybePromise } from '../engine/maybe-promise.js'
 import type { InFlight } from '../engine/in-flight.js'
 import { createRouteEngine, stopRouteEngine } from '../engine/route-engine.js'
 import { checkKey, storageKey } from '../engine/storage-key.js'
@@ -35,7 +36,7 @@ export interface RouteHooks {
   onRequest: onRequestHookHandler
   /** For a route with a body schema: takes the body before validation changes it. */
   preValidation: preValidationHookHandler
-  preHandler: preHandlerAsyncHookHandler
+  preHandler: preHandlerHookHandler
   onSend: onSendHookHandler
   onError: onErrorHookHandler
   /** Stop renewing this route's leases (the server is closing). */
@@ -133,38 +134,90 @@ function preValidationHook ({ settings, url }: GuardedRoute): preValidationHookH
   }
 }
 
-/** preHandler: fingerprint and scope the request, then ask the engine whether its handler runs. */
-function preHandlerHook (route: GuardedRoute): preHandlerAsyncHookHandler {
-  const { engine, plugin, settings, url } = route
-  return async function preHandler (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | undefined> {
+/** What the engine answered a request with a key, and its state (another, once a `key` function has read the key). */
+interface Asked {
+  http: HttpRequestState
+  acquisition: Acquisition
+}
+
+/**
+ * preHandler: fingerprint and scope the request, then ask the engine whether its handler runs.
+ * Callback style, and synchronous from start to end whenever nothing needs waiting for (a body
+ * read as it arrives, a scope or key function, a store that does not answer at once): a request on
+ * MemoryStorage then makes no promise here, which costs every request that makes one.
+ */
+function preHandlerHook (route: GuardedRoute): preHandlerHookHandler {
+  return function preHandler (request: FastifyRequest, reply: FastifyReply, done: (error?: Error) => void): void {
     const pending = (request as GuardedRequest)[kState]
-    if (pending === null) return undefined
-    const http = settings.key === null ? pending : await keyFromFunction(route, request as GuardedRequest, pending)
-    if (http === null) return undefined
-    // A body no parser made a value of (multipart in stream mode, a proxy's stream) counts by its raw bytes.
-    if (http.rawBody === null && settings.fingerprint.body) http.rawBody = unparsedBodyHash(request, http.key, url)
-    const rawBody = http.rawBody === null ? undefined : await http.rawBody.digest(request.routeOptions.bodyLimit)
-    const fingerprinted = takeFingerprint(request, settings.fingerprint, http, rawBody, url)
-    // Without a scope there is nothing to await: no promise on the path of every request.
-    const scope = settings.scope === null ? null : await resolveScope(settings.scope, request, http.key, url)
-    warnOfSharedKeys(route, request)
-    const acquisition = await acquire(engine, http.state, storageKey(http.key, scope, engine.door.cipher), fingerprinted.record, fingerprinted)
-    switch (acquisition.outcome) {
-      case 'run':
-        run(reply, http)
-        return undefined
-      case 'replay': {
-        const decoding = replayResponse(request, reply, acquisition.response, plugin.replayHeader)
-        if (decoding !== undefined) await decoding
-        // Returning the reply tells Fastify the response is under way: without it, Fastify goes on
-        // to the handler whenever the send is still pending (any asynchronous onSend hook).
-        return reply
-      }
-      case 'refuse':
-        throw acquisition.error
-      case 'unprotected':
-        return undefined
+    if (pending === null) {
+      done()
+      return
     }
+    let asked: MaybePromise<Asked | null>
+    try {
+      asked = route.settings.key === null ? prepared(route, request, pending) : keyFromFunction(route, request as GuardedRequest, pending).then((http) => http === null ? null : prepared(route, request, http))
+    } catch (error) {
+      done(error as Error)
+      return
+    }
+    if (isPromise(asked)) asked.then((answer) => { respond(route, request, reply, answer, done) }, done)
+    else respond(route, request, reply, asked, done)
+  }
+}
+
+/** The request fingerprinted (its raw body read first, when it counts by it) and scoped, then the engine asked. */
+function prepared (route: GuardedRoute, request: FastifyRequest, http: HttpRequestState): MaybePromise<Asked> {
+  const { settings, url } = route
+  // A body no parser made a value of (multipart in stream mode, a proxy's stream) counts by its raw bytes.
+  if (http.rawBody === null && settings.fingerprint.body) http.rawBody = unparsedBodyHash(request, http.key, url)
+  if (http.rawBody !== null || settings.scope !== null) return preparedLater(route, request, http)
+  return askEngine(route, request, http, takeFingerprint(request, settings.fingerprint, http, undefined, url), null)
+}
+
+async function preparedLater (route: GuardedRoute, request: FastifyRequest, http: HttpRequestState): Promise<Asked> {
+  const { settings, url } = route
+  const rawBody = http.rawBody === null ? undefined : await http.rawBody.digest(request.routeOptions.bodyLimit)
+  const fingerprinted = takeFingerprint(request, settings.fingerprint, http, rawBody, url)
+  const scope = settings.scope === null ? null : await resolveScope(settings.scope, request, http.key, url)
+  return await askEngine(route, request, http, fingerprinted, scope)
+}
+
+function askEngine (route: GuardedRoute, request: FastifyRequest, http: HttpRequestState, fingerprinted: ReturnType<typeof takeFingerprint>, scope: string | null): MaybePromise<Asked> {
+  const { engine } = route
+  warnOfSharedKeys(route, request)
+  const acquisition = acquire(engine, http.state, storageKey(http.key, scope, engine.door.cipher), fingerprinted.record, fingerprinted)
+  return isPromise(acquisition) ? acquisition.then((answer) => ({ http, acquisition: answer })) : { http, acquisition }
+}
+
+/** Run the handler, replay, or refuse, as the engine said (`null`: the request has no key after all). */
+function respond (route: GuardedRoute, request: FastifyRequest, reply: FastifyReply, asked: Asked | null, done: (error?: Error) => void): void {
+  if (asked === null) {
+    done()
+    return
+  }
+  const { http, acquisition } = asked
+  switch (acquisition.outcome) {
+    case 'run':
+      run(reply, http)
+      done()
+      return
+    case 'replay': {
+      // The reply is sent, and `done` is not called: Fastify then does not go on to the handler.
+      let decoding
+      try {
+        decoding = replayResponse(request, reply, acquisition.response, route.plugin.replayHeader)
+      } catch (error) {
+        done(error as Error)
+        return
+      }
+      decoding?.catch(done)
+      return
+    }
+    case 'refuse':
+      done(acquisition.error)
+      return
+    case 'unprotected':
+      done()
   }
 }
 
@@ -225,7 +278,7 @@ function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown,
   }
   switch (http.state.phase) {
     case 'running':
-      http.handedOn = settleResponse(reply, http, payload).then((sent) => { handOn(reply, done, null, sent) }, (error: Error) => { handOn(reply, done, error) })
+      respondSettled(reply, http, payload, done)
       return
     case 'settling':
     case 'storing':
@@ -245,6 +298,30 @@ function onSend (request: FastifyRequest, reply: FastifyReply, payload: unknown,
   // A refusal, or the response of a handler run unprotected: it passes through.
   done(null, payload)
 }
+
+/**
+ * Settle a request that ran, then hand its payload on to Fastify: at once when settling needed no
+ * waiting (the store answered at once), otherwise once it is done.
+ */
+function respondSettled (reply: FastifyReply, http: HttpRequestState, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void {
+  let sent: MaybePromise<unknown>
+  try {
+    sent = settleResponse(reply, http, payload)
+  } catch (error) {
+    http.handedOn = HANDED_ON
+    handOn(reply, done, error as Error)
+    return
+  }
+  if (isPromise(sent)) {
+    http.handedOn = sent.then((settled) => { handOn(reply, done, null, settled) }, (error: Error) => { handOn(reply, done, error) })
+    return
+  }
+  http.handedOn = HANDED_ON
+  handOn(reply, done, null, sent)
+}
+
+/** A response handed on at once: a second send of the reply goes on at once too. */
+const HANDED_ON = Promise.resolve()
 
 function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void): void {
   // A refusal's retry signals (Retry-After, Stripe-Should-Retry, X-Should-Retry) go on the reply

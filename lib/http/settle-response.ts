@@ -7,7 +7,8 @@
  */
 import type { Readable } from 'node:stream'
 import type { FastifyReply } from 'fastify'
-import { settle, type Ending } from '../engine/settle.js'
+import { isPromise, type MaybePromise } from '../engine/maybe-promise.js'
+import { settle, type Ending, type Settlement } from '../engine/settle.js'
 import { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
@@ -28,7 +29,7 @@ export type Delivery = 'bytes' | 'stream' | 'hijacked'
  * reply must not settle it again), then store the response or give the key back. Resolves with
  * the payload to hand on, which is `sent` unless it is captured on its way.
  */
-export async function settleResponse (reply: FastifyReply, http: HttpRequestState, sent: unknown): Promise<unknown> {
+export function settleResponse (reply: FastifyReply, http: HttpRequestState, sent: unknown): MaybePromise<unknown> {
   http.state.startSettling()
   const { settings } = http.route
   // A Response's own status is the one sent: it decides whether the answer is kept.
@@ -36,20 +37,22 @@ export async function settleResponse (reply: FastifyReply, http: HttpRequestStat
   const statusCode = reply.statusCode
   const stream = isNodeStream(payload)
   if (http.failed || !isStorable(settings, statusCode)) {
-    await end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes')
-    return payload
+    return then(end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes'), payload)
   }
   const bytes = payloadBytes(payload)
   if (bytes !== null) {
-    await end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes), 'bytes')
-    return payload
+    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes), 'bytes'), payload)
   }
   if (stream) return captured(reply, http, payload)
   // Anything else (a Response whose body was read already, a locked web stream, an object that
   // is not bytes): Fastify refuses to send it, and answers 500 instead. Nothing was answered, so
   // nothing is kept, as for an error.
-  await end(reply, http, { kind: 'give-back', statusCode, reason: 'failed' }, 'bytes')
-  return payload
+  return then(end(reply, http, { kind: 'give-back', statusCode, reason: 'failed' }, 'bytes'), payload)
+}
+
+/** `value` once `settled` has settled: at once when it has. */
+function then<T> (settled: MaybePromise<void>, value: T): MaybePromise<T> {
+  return isPromise(settled) ? settled.then(() => value) : value
 }
 
 /**
@@ -84,8 +87,13 @@ export function withholdSuccess (reply: FastifyReply, key: string, delivery: Del
 }
 
 /** The one way a request that ran ends: settle it, then withhold a success that must not be delivered. */
-async function end (reply: FastifyReply, http: HttpRequestState, ending: Ending, delivery: Delivery): Promise<void> {
-  const settlement = await settle(http.route.engine, http.state, ending)
+function end (reply: FastifyReply, http: HttpRequestState, ending: Ending, delivery: Delivery): MaybePromise<void> {
+  const settlement = settle(http.route.engine, http.state, ending)
+  if (isPromise(settlement)) return settlement.then((settled) => { withheld(reply, http, settled, delivery) })
+  withheld(reply, http, settlement, delivery)
+}
+
+function withheld (reply: FastifyReply, http: HttpRequestState, settlement: Settlement, delivery: Delivery): void {
   if (!settlement.deliverable) withholdSuccess(reply, http.key, delivery)
 }
 

@@ -1,7 +1,7 @@
 import { LRUCache } from 'lru-cache'
 import { duration } from './durations.js'
 import { TokenGenerator, tokenIssuedAt } from './tokens.js'
-import type { BeginResult, StorageForgetOptions, StorageForgetResult, HeldLease, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from './types.js'
+import { SYNCHRONOUS_STEPS, type BeginResult, type StorageForgetOptions, type StorageForgetResult, type HeldLease, type IdempotencyStorage, type LeaseListing, type StoredResponse, type StoredState, type SynchronousSteps } from './types.js'
 import { KeyWaiters } from './waiters.js'
 
 /** Options of `new MemoryStorage()`: its bounds (docs/stores/memory.md). */
@@ -97,7 +97,27 @@ export class MemoryStorage implements IdempotencyStorage {
     return this.#leases.size
   }
 
+  /** The request path's steps, answered at once (the engine's own use; see SynchronousSteps). */
+  readonly [SYNCHRONOUS_STEPS]: SynchronousSteps = {
+    begin: (key, fingerprint, lockTimeout) => this.#begin(key, fingerprint, lockTimeout),
+    complete: (key, token, response, expiration) => this.#complete(key, token, response, expiration),
+    release: (key, token) => this.#release(key, token),
+    of: MemoryStorage.prototype
+  }
+
   async begin (key: string, fingerprint: string, lockTimeout: number): Promise<BeginResult> {
+    return this.#begin(key, fingerprint, lockTimeout)
+  }
+
+  async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
+    return this.#complete(key, token, response, expiration)
+  }
+
+  async release (key: string, token: string): Promise<boolean> {
+    return this.#release(key, token)
+  }
+
+  #begin (key: string, fingerprint: string, lockTimeout: number): BeginResult {
     const length = duration('MemoryStorage', 'lockTimeout', lockTimeout)
     const now = this.#now()
     const entry = this.#entries.get(key)
@@ -114,7 +134,7 @@ export class MemoryStorage implements IdempotencyStorage {
     return { state: 'acquired', token }
   }
 
-  async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
+  #complete (key: string, token: string, response: StoredResponse, expiration: number): boolean {
     const ttl = duration('MemoryStorage', 'expiration', expiration)
     const now = this.#now()
     const lease = this.#heldLease(key, token, now)
@@ -134,7 +154,7 @@ export class MemoryStorage implements IdempotencyStorage {
     return true
   }
 
-  async release (key: string, token: string): Promise<boolean> {
+  #release (key: string, token: string): boolean {
     if (this.#heldLease(key, token) === undefined) return false
     this.#leases.delete(key)
     this.#notify(key)

@@ -65,6 +65,27 @@ export type BeginResult = BeginAcquired | BeginInFlight | BeginCompleted
  * docs/stores/custom.md). `begin` is one atomic step; `complete`, `release` and `renew` act only
  * while the caller's fencing token holds the lease.
  */
+/**
+ * The steps of a request's path as an in-process store answers them: at once, without a promise.
+ * A store that offers them under `SYNCHRONOUS_STEPS` (MemoryStorage) lets the engine serve a
+ * request without making a promise of its own; the engine still uses the store's promised methods
+ * for everything else. Each must do exactly what its promised twin does.
+ */
+export interface SynchronousSteps {
+  begin: (key: string, fingerprint: string, lockTimeout: number) => BeginResult
+  complete: (key: string, token: string, response: StoredResponse, expiration: number) => boolean
+  release: (key: string, token: string) => boolean
+  /**
+   * The promised methods these steps stand for. The engine uses the steps only while the store's
+   * methods are these: a subclass or a wrapper that replaces one (to count calls, to alter them)
+   * is called through its own methods, never around them.
+   */
+  readonly of: Pick<IdempotencyStorage, 'begin' | 'complete' | 'release'>
+}
+
+/** Where a store keeps its SynchronousSteps: a symbol of the global registry, the same in every copy of the package. */
+export const SYNCHRONOUS_STEPS = Symbol.for('fastify-idempotency.synchronousSteps')
+
 export interface IdempotencyStorage {
   /**
    * One atomic step: return the live stored response, or report the key in flight, or take the
