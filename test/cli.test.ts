@@ -334,6 +334,8 @@ describe('the command, in process', () => {
     expect(listing.stdout).toMatch(/^KEY +SCOPE +HELD +SINCE +LEASE ENDS\nheld +- +\S+/)
     expect(listing.stdout).toMatch(/^1 key in flight$/m)
     expect((await inProcess('in-flight', '--older-than', '1h', '-c', 'memory.mjs')).stdout).toBe('no keys in flight\n')
+    const all = await inProcess('in-flight', '--older-than', '0', '-c', 'memory.mjs')
+    expect(all.stdout, all.stderr).toMatch(/^1 key in flight$/m)
     // The factory's maxKeyLength: the key is checked as the app would check it.
     expect((await inProcess('inspect', 'longer-than-8', '-c', 'factory.cjs')).stderr).toMatch(/longer than 8/)
     const refused = await inProcess('forget', 'held', '-c', 'memory.mjs')

@@ -206,6 +206,7 @@ for (const encrypted of [false, true]) {
         expect(first!.since!).toBeLessThanOrEqual(second!.since!)
         expect(second!.heldMs).toBeGreaterThanOrEqual(0)
         expect((await app.idempotency.inFlight({ olderThan: '1h' })).leases).toHaveLength(0)
+        for (const all of [0, '0s']) expect((await app.idempotency.inFlight({ olderThan: all })).leases.filter((lease) => mine.includes(lease.storageKey)), String(all)).toHaveLength(2)
         expect((await app.idempotency.inFlight({ limit: 1 })).leases).toHaveLength(1)
         gates.open(key)
         gates.open(`acme/${older}`)
@@ -259,6 +260,7 @@ for (const encrypted of [false, true]) {
           await expect(app.idempotency.forget(bad, { force: true })).rejects.toThrow(IdempotencyKeyInvalidError)
         }
         await expect(app.idempotency.inFlight({ olderThan: 'soon' })).rejects.toThrow(/olderThan/)
+        await expect(app.idempotency.inFlight({ olderThan: -1 })).rejects.toThrow(/olderThan must be a non-negative number/)
         await expect(app.idempotency.inFlight({ limit: 0 })).rejects.toThrow(/limit/)
         expect(await store.dump?.()).toEqual(before)
       })

@@ -41,7 +41,7 @@ export async function runCommand (argv: readonly string[], io: CommandIO): Promi
       return EXIT.done
     }
     timeout = toMilliseconds(command.timeout, '--timeout', 'command line')
-    if (command.olderThan !== undefined) toMilliseconds(command.olderThan, '--older-than', 'command line')
+    if (command.olderThan !== undefined) toMilliseconds(command.olderThan, '--older-than', 'command line', true)
   } catch (error) {
     io.stderr(`fastify-idempotency: ${(error as Error).message.replace('fastify-idempotency: invalid command line: ', '')}\n\n${USAGE}\n`)
     return EXIT.usage

@@ -125,7 +125,7 @@ export type ForgetResult =
 
 /** What `inFlight` is told. */
 export interface InFlightOptions extends OperationOptions {
-  /** Only leases held for longer than this: milliseconds, or a duration such as `'5m'`. */
+  /** Only leases held for longer than this: milliseconds, or a duration such as `'5m'`; 0 (the default): all. */
   olderThan?: number | string
   /** Most leases listed, oldest first. Default 100. */
   limit?: number
@@ -239,7 +239,7 @@ export class KeyOperations implements IdempotencyOperations {
   /** The leases held now, oldest first, as far as the store can list them. */
   async inFlight (options: InFlightOptions = {}): Promise<InFlightListing> {
     return await this.#run('in-flight', options, undefined, {}, async () => {
-      const olderThan = options.olderThan === undefined ? 0 : toMilliseconds(options.olderThan, 'olderThan', 'inFlight options')
+      const olderThan = options.olderThan === undefined ? 0 : toMilliseconds(options.olderThan, 'olderThan', 'inFlight options', true)
       const limit = options.limit ?? DEFAULT_LIMIT
       if (!Number.isSafeInteger(limit) || limit < 1) throw new TypeError('fastify-idempotency: invalid inFlight options: limit must be a positive integer')
       const listing = await this.#offering('in-flight', 'listInFlight').listInFlight({ limit: STORE_LISTING_LIMIT })

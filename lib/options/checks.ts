@@ -3,10 +3,12 @@ import { parse as parseDuration } from '@lukeed/ms'
 import type { IdempotencyStorage, TransactionalStorage } from '../storage/types.js'
 import { invalid } from './schema.js'
 
-export function toMilliseconds (value: number | string, name: string, context: string): number {
-  const ms = typeof value === 'number' ? value : parseDuration(value)
-  if (ms === undefined || !Number.isFinite(ms) || ms < 1) {
-    throw invalid(context, `${name} must be a positive number of milliseconds or a duration such as '24h' (got ${JSON.stringify(value)})`)
+/** A duration option in milliseconds; `zero` when 0 has a meaning of its own (`olderThan: 0`: all). */
+export function toMilliseconds (value: number | string, name: string, context: string, zero = false): number {
+  // @lukeed/ms reads no zero ('0', '0s'): where zero means something, it is read here.
+  const ms = typeof value === 'number' ? value : zero && /^0+(?:\.0*)?\s*[a-z]*$/i.test(value.trim()) ? 0 : parseDuration(value)
+  if (ms === undefined || !Number.isFinite(ms) || ms < (zero ? 0 : 1)) {
+    throw invalid(context, `${name} must be a ${zero ? 'non-negative' : 'positive'} number of milliseconds or a duration such as '24h' (got ${JSON.stringify(value)})`)
   }
   return Math.round(ms)
 }
