@@ -171,6 +171,7 @@ export type {
   KeyOptions,
   KeyRef,
   OperationOptions,
+  PurgeOptions,
   StoredInspection
 } from './operations/index.js'
 export { scopeByHeader } from './http/scope.js'
@@ -196,6 +197,7 @@ export type {
   StoredResponse,
   StoredState,
   StorageForgetOptions,
+  StoragePurgeOptions,
   StorageForgetResult,
   TransactionalStorage,
   TransactionOptions

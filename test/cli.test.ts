@@ -6,9 +6,9 @@
  * could send, a store that is down) ends with a clear message on stderr, a non-zero exit, and the
  * store as it was.
  */
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { createServer } from 'node:net'
 import { join, resolve } from 'node:path'
@@ -21,6 +21,7 @@ import { KnexStorage, dropIdempotencyTable } from '../lib/knex.js'
 import { RedisStorage } from '../lib/redis.js'
 import { runCommand, type CommandIO } from '../lib/cli/run.js'
 import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service } from './helpers/services.js'
+import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 import { postWithKey } from './helpers/http-client.js'
 
 /** Node 22.18 and later (and 23.6) load TypeScript modules themselves, without tsx. */
@@ -251,10 +252,29 @@ for (const target of targets) {
       }
       // A server that does not answer; for SQLite, a database file that cannot be opened.
       const unreachable = { ...env, CLI_PORT: String(await closedPort()), CLI_FILE: join(work, 'no-such-directory', 'cli.db') }
-      const down = await command(['forget', 'kept', '--scope', 'acme', '--force', '--config', configFile, '--timeout', '5s'], unreachable)
+      const sql = target.name !== 'redis'
+      const [down, noTable, denied] = await Promise.all([
+        command(['forget', 'kept', '--scope', 'acme', '--force', '--config', configFile, '--timeout', '5s'], unreachable),
+        // A table the database does not have; credentials the server refuses (MariaDB's root has no password here).
+        sql ? command(['inspect', 'kept', '--config', configFile], { ...env, CLI_TABLE: `missing_${stamp}` }) : undefined,
+        target.name === 'mariadb' ? command(['inspect', 'kept', '--config', configFile], { ...env, CLI_CONNECTION: JSON.stringify({ ...mysqlConnection, password: 'not-the-password' }) }) : undefined
+      ])
       expect(down.code, down.stderr).toBe(1)
-      expect(down.stderr).toMatch(/fastify-idempotency: forget failed: /)
+      const cause = target.name === 'sqlite' ? /forget failed: Cannot open database because the directory does not exist/ : /^fastify-idempotency: forget failed: cannot connect to the store at 127\.0\.0\.1:\d+: connection refused \(is it running, and are the host and port in the config module right\?\)$/m
+      expect(down.stderr).toMatch(cause)
+      // No stack trace, from the client library or the command: stderr is not a terminal here, so
+      // the audit line (JSON) comes first, then the one line that says why.
+      expect(down.stderr).not.toMatch(/^\s+at /m)
+      expect(down.stderr.trim().split('\n').map((line) => line.startsWith('{') ? 'audit' : 'message')).toEqual(['audit', 'message'])
       expect(down.stdout).toBe('')
+      if (noTable !== undefined) {
+        expect(noTable.code, noTable.stderr).toBe(1)
+        expect(noTable.stderr).toMatch(new RegExp(`^fastify-idempotency: inspect failed: the table (test\\.)?missing_${stamp} does not exist: create it \\(createIdempotencyTable in a migration, or createTable: true in the app\\)`, 'm'))
+      }
+      if (denied !== undefined) {
+        expect(denied.code, denied.stderr).toBe(1)
+        expect(denied.stderr).toMatch(/^fastify-idempotency: inspect failed: the store refused the credentials \(Access denied for user 'root'@.*\): check the user and password the config module gives$/m)
+      }
       expect(await target.dump()).toBe(before)
     })
   })
@@ -285,11 +305,173 @@ describe('the command, in process', () => {
   }
 
   async function inDirectory (cwd: string, ...args: string[]): Promise<Run> {
+    return await run(cwd, false, args)
+  }
+
+  /** As a person at a terminal runs it: stderr is a TTY. */
+  async function inTerminal (...args: string[]): Promise<Run> {
+    return await run(work, true, args)
+  }
+
+  async function run (cwd: string, terminal: boolean, args: string[]): Promise<Run> {
     let stdout = ''
     let stderr = ''
-    const io: CommandIO = { stdout: (text) => { stdout += text }, stderr: (text) => { stderr += text }, cwd, env: {} }
+    const io: CommandIO = { stdout: (text) => { stdout += text }, stderr: (text) => { stderr += text }, cwd, env: {}, terminal }
     return { code: await runCommand(args, io), stdout, stderr }
   }
+
+  /** A config module whose store is `storage`, under `name`. */
+  function configWith (name: string, storage: Partial<IdempotencyStorage>): string {
+    const stores = globalThis as { cliStores?: Record<string, unknown> }
+    stores.cliStores = { ...stores.cliStores, [name]: { begin: memory.begin.bind(memory), complete: memory.complete.bind(memory), release: memory.release.bind(memory), renew: memory.renew.bind(memory), ...storage } }
+    writeFileSync(join(work, `${name}.mjs`), `export default { storage: globalThis.cliStores[${JSON.stringify(name)}] }\n`)
+    return `${name}.mjs`
+  }
+
+  it.skipIf(spawnSync('script', ['--version']).status !== 0)('tells a terminal from a pipe by stderr, as its bin runs', async () => {
+    writeFileSync(join(work, 'own-memory.mjs'), 'import { MemoryStorage } from \'../../lib/index.ts\'\nexport default { storage: new MemoryStorage() }\n')
+    const args = ['in-flight', '-c', join(work, 'own-memory.mjs')]
+    const piped = await command(args, {})
+    expect(piped.code, piped.stderr).toBe(0)
+    expect(JSON.parse(piped.stderr)).toMatchObject({ msg: expect.stringMatching(/^idempotency in-flight/) })
+    // util-linux's script gives the command a pseudo-terminal, on which stdout and stderr meet.
+    const line = [process.execPath, '--import', 'tsx', join(root, 'lib/cli/main.ts'), ...args].map((arg) => `'${arg}'`).join(' ')
+    const terminal = spawnSync('script', ['-qec', line, '/dev/null'], { cwd: root, encoding: 'utf8' })
+    expect([terminal.status, terminal.stdout.replace(/\r/g, '')]).toEqual([0, 'no keys in flight\n'])
+  })
+
+  it('prints its version with --version and -v', async () => {
+    const { version } = JSON.parse(readFileSync(join(root, 'package.json'), 'utf8')) as { version: string }
+    for (const flag of ['--version', '-v']) expect(await inProcess(flag)).toEqual({ code: 0, stdout: `${version}\n`, stderr: '' })
+  })
+
+  it('answers a usage error with its reason and one line of hint, not the whole usage', async () => {
+    for (const result of [await inProcess('frobnicate', 'k'), await inTerminal('frobnicate', 'k')]) {
+      expect(result).toEqual({ code: 2, stdout: '', stderr: "fastify-idempotency: unknown command 'frobnicate'\nrun fastify-idempotency --help for the commands and options\n" })
+    }
+    for (const [args, message] of [
+      [['inspect', 'k', '--batch-size', '10', '-c', 'memory.mjs'], '--batch-size does not apply to inspect'],
+      [['purge', '--batch-size', '0', '-c', 'memory.mjs'], "--batch-size must be a positive integer (got '0')"]
+    ] as Array<[string[], string]>) {
+      expect((await inProcess(...args)).stderr).toBe(`fastify-idempotency: ${message}\nrun fastify-idempotency --help for the commands and options\n`)
+    }
+  })
+
+  it('writes the audit line as JSON with --json or when stderr is not a terminal, and leaves it out for a person at one', async () => {
+    const audit = (stderr: string): unknown => JSON.parse(stderr.trim()).idempotencyOperation
+    const person = await inTerminal('in-flight', '-c', 'memory.mjs')
+    expect([person.code, person.stdout, person.stderr]).toEqual([0, 'no keys in flight\n', ''])
+    expect(audit((await inProcess('in-flight', '-c', 'memory.mjs')).stderr)).toMatchObject({ operation: 'in-flight', via: 'command', listed: 0 })
+    const scripted = await inTerminal('in-flight', '--json', '-c', 'memory.mjs')
+    expect(JSON.parse(scripted.stdout)).toEqual({ leases: [], complete: true })
+    expect(audit(scripted.stderr)).toMatchObject({ operation: 'in-flight', listed: 0 })
+  })
+
+  it('names the cause of a store failure in one line: a missing table, refused credentials, a refused connection, no stack trace', async () => {
+    const failing = (error: unknown) => async () => { throw error }
+    const pg = (code: string, message: string): Error => Object.assign(new Error(message), { code })
+    const refused = Object.assign(new AggregateError([
+      Object.assign(new Error('connect ECONNREFUSED ::1:5499'), { code: 'ECONNREFUSED' }),
+      Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5499'), { code: 'ECONNREFUSED' })
+    ]), { code: 'ECONNREFUSED' })
+    // ioredis says why it cannot connect only in an 'error' event, which it prints with its stack.
+    const ioredis = async (): Promise<never> => {
+      console.error('[ioredis] Unhandled error event: Error: connect ECONNREFUSED 127.0.0.1:6390\n    at TCPConnectWrap.afterConnect [as oncomplete] (node:net:1611:16)')
+      throw new Error('Reached the max retries per request limit (which is 1). Refer to "maxRetriesPerRequest" option for details.')
+    }
+    const cases: Array<[Partial<IdempotencyStorage>, string]> = [
+      [{ inspect: failing(pg('42P01', 'select "fingerprint", "state" from "orders_keys" where "idempotency_key" = $1 - relation "orders_keys" does not exist')) },
+        'the table orders_keys does not exist: create it (createIdempotencyTable in a migration, or createTable: true in the app), or give the config module the app\'s tableName'],
+      [{ inspect: failing(pg('28P01', 'password authentication failed for user "app"')) },
+        'the store refused the credentials (password authentication failed for user "app"): check the user and password the config module gives'],
+      [{ inspect: failing(refused) }, 'cannot connect to the store at ::1:5499: connection refused (is it running, and are the host and port in the config module right?)'],
+      [{ inspect: ioredis }, 'cannot connect to the store at 127.0.0.1:6390: connection refused (is it running, and are the host and port in the config module right?)'],
+      [{ inspect: failing(new Error('select 1 from "t" - canceling statement due to statement timeout')) }, 'canceling statement due to statement timeout']
+    ]
+    for (const [index, [storage, cause]] of cases.entries()) {
+      const config = configWith(`broken-${index}`, storage)
+      const person = await inTerminal('inspect', 'k', '-c', config)
+      expect([person.code, person.stdout, person.stderr], cause).toEqual([1, '', `fastify-idempotency: inspect failed: ${cause}\n`])
+      // Not a terminal: the audit line first, then the same line.
+      const logged = await inProcess('inspect', 'k', '-c', config)
+      const lines = logged.stderr.trim().split('\n')
+      expect(JSON.parse(lines[0]!)).toMatchObject({ level: 'error', idempotencyOperation: { operation: 'inspect' } })
+      expect(lines.slice(1)).toEqual([`fastify-idempotency: inspect failed: ${cause}`])
+    }
+    // What a client library prints while the command succeeds reaches stderr once, its first line only.
+    const chatty = configWith('chatty', {
+      listInFlight: async () => {
+        console.warn('[WARN] Redis server does not require a password, but a password was supplied.\n    at somewhere')
+        console.warn('[WARN] Redis server does not require a password, but a password was supplied.')
+        return { leases: [], complete: true }
+      }
+    })
+    expect(await inTerminal('in-flight', '-c', chatty)).toEqual({ code: 0, stdout: 'no keys in flight\n', stderr: '[WARN] Redis server does not require a password, but a password was supplied.\n' })
+  })
+
+  it('purges in batches of --batch-size, with its progress on a terminal', async () => {
+    const sizes: Array<number | undefined> = []
+    const config = configWith('purging', {
+      purgeExpired: async (options) => {
+        sizes.push(options?.batchSize)
+        for (const done of [2, 4]) options?.onProgress?.(done)
+        return 5
+      }
+    })
+    const person = await inTerminal('purge', '--batch-size', '2', '-c', config)
+    expect(person).toEqual({ code: 0, stdout: 'purged 5 expired entries\n', stderr: '\rpurging: 2 expired entries deleted\rpurging: 4 expired entries deleted\r\u001b[K' })
+    const logged = await inProcess('purge', '-c', config)
+    expect([logged.code, logged.stdout]).toEqual([0, 'purged 5 expired entries\n'])
+    expect(JSON.parse(logged.stderr)).toMatchObject({ level: 'info', idempotencyOperation: { operation: 'purge', purged: 5 } })
+    expect(sizes).toEqual([2, undefined])
+  })
+
+  it('says how much a purge deleted when it stops at --timeout or fails midway, and why', async () => {
+    let stopped: unknown
+    const stalls = configWith('purge-stalls', {
+      purgeExpired: async (options) => {
+        options?.onProgress?.(1000)
+        options?.onProgress?.(2000)
+        // The third batch never ends: the command's timeout aborts the signal.
+        return await new Promise<number>((resolve, reject) => options?.signal?.addEventListener('abort', () => {
+          stopped = options.signal!.reason
+          reject(options.signal!.reason)
+        }))
+      }
+    })
+    const person = await inTerminal('purge', '--timeout', '200', '-c', stalls)
+    expect([person.code, person.stdout]).toEqual([1, ''])
+    const [progress, said] = person.stderr.split('\r\u001b[K')
+    expect(progress).toBe('\rpurging: 1,000 expired entries deleted\rpurging: 2,000 expired entries deleted')
+    expect(said).toMatch(/^fastify-idempotency: purge stopped after 200 \(--timeout\) with 2,000 expired entries deleted, in 2 batches; the last ended \S+ before: the store was still deleting\. What is left is deleted by the next purge: run it again, or with a longer --timeout\n$/)
+    expect(stopped).toBeInstanceOf(Error)
+    const scripted = await inProcess('purge', '--json', '--timeout', '200', '-c', stalls)
+    expect(JSON.parse(scripted.stdout)).toEqual({ purged: 2000, complete: false })
+    const [auditLine, message] = scripted.stderr.trim().split('\n')
+    expect(JSON.parse(auditLine!)).toMatchObject({ level: 'error', msg: expect.stringMatching(/^idempotency purge by .* failed after 2000 expired entries deleted: gave up after 200 \(--timeout\)$/), idempotencyOperation: { operation: 'purge', purged: 2000 } })
+    expect(message).toMatch(/^fastify-idempotency: purge stopped after 200 \(--timeout\) with 2,000 expired entries deleted/)
+
+    const fails = configWith('purge-fails', {
+      purgeExpired: async (options) => {
+        options?.onProgress?.(1000)
+        throw new Error('delete from "idempotency_keys" where ctid in (select ctid from "idempotency_keys" limit 1000) - canceling statement due to statement timeout')
+      }
+    })
+    expect((await inTerminal('purge', '-c', fails)).stderr).toBe('\rpurging: 1,000 expired entries deleted\r\u001b[Kfastify-idempotency: purge failed with 1,000 expired entries deleted: canceling statement due to statement timeout\n')
+  })
+
+  it.skipIf(!redisClusterAvailability().available)('names credentials a Redis server refuses', async () => {
+    const server = await startRedisServer(['--requirepass', 'the-password'])
+    try {
+      // The client is the test's to end: the command leaves it to the process exit, and this test process goes on.
+      writeFileSync(join(work, 'redis-password.mjs'), `import { Redis } from 'ioredis'\nimport { RedisStorage } from '../../lib/redis.ts'\nconst client = globalThis.cliRedisClient = new Redis({ port: ${server.port}, password: 'not-the-password', maxRetriesPerRequest: 1, lazyConnect: true })\nexport default { storage: new RedisStorage({ client }) }\n`)
+      const person = await inTerminal('inspect', 'k', '-c', 'redis-password.mjs')
+      expect([person.code, person.stdout, person.stderr]).toEqual([1, '', 'fastify-idempotency: inspect failed: the store refused the credentials (WRONGPASS invalid username-password pair or user is disabled.): check the user and password the config module gives\n'])
+    } finally {
+      (globalThis as { cliRedisClient?: Redis }).cliRedisClient?.disconnect()
+      await server.stop()
+    }
+  })
 
   it('prints its usage with --help, and for a command line it cannot use', async () => {
     const help = await inProcess('--help')
@@ -397,7 +579,7 @@ describe('the command, in process', () => {
     expect(failed.stderr).toMatch(/"level":"error".*inspect of key \\"k\\" by .* failed: connection reset/)
     const hung = await inProcess('in-flight', '--timeout', '50', '-c', 'failing.mjs')
     expect([hung.code, hung.stdout]).toEqual([1, ''])
-    expect(hung.stderr).toMatch(/in-flight failed: gave up after 50 \(--timeout\): the store did not answer/)
+    expect(hung.stderr, hung.stderr).toMatch(/in-flight failed: gave up after 50 \(--timeout\): the store did not answer/)
   })
 
   it('shows what encryption hides, a binary body, scopes, and a sealed entry it cannot open', async () => {

@@ -43,14 +43,18 @@ for (const target of targets) {
       const knex = storageKnex()!
       const listener = (query: { sql: string }) => { if (/^delete/i.test(query.sql)) deletes.push(query.sql) }
       knex.on('query', listener)
+      const progress: number[] = []
       try {
-        expect(await store.purgeExpired({ batchSize: 3 })).toBe(9)
+        expect(await store.purgeExpired({ batchSize: 3, onProgress: (purged) => progress.push(purged) })).toBe(9)
       } finally {
         knex.off('query', listener)
       }
       // 3 + 3 + 3, and on PostgreSQL and SQLite a fourth DELETE that finds nothing (MySQL reads first).
       expect(deletes.length).toBeGreaterThanOrEqual(3)
       expect(deletes.length).toBeLessThanOrEqual(4)
+      // After each batch, the count so far (and after the last, short or empty, batch).
+      expect(progress.slice(0, 3)).toEqual([3, 6, 9])
+      expect(progress.slice(3)).toEqual(progress.length === 4 ? [9] : [])
       const left = (await db()(name).select('idempotency_key')).map((row) => Buffer.from(row.idempotency_key).toString('utf8')).sort()
       expect(left).toEqual(['held-0', 'held-1', 'live-0', 'live-1', 'live-2'])
       expect(await store.purgeExpired()).toBe(0)
@@ -58,6 +62,19 @@ for (const target of targets) {
       expect((await store.begin('held-1', 'fp', LEASE)).state).toBe('in-flight')
       expect((await store.begin('lapsed-1', 'fp', LEASE)).state).toBe('acquired')
       await expect(store.purgeExpired({ batchSize: 0 })).rejects.toThrow(/batchSize/)
+    })
+
+    it('stops a purge between two batches once its signal is aborted, keeping what it deleted', async () => {
+      const name = table()
+      const store = storage({ tableName: name })
+      await store.purgeExpired()
+      await db()(name).insert(Array.from({ length: 20 }, (_, i) => ({ idempotency_key: Buffer.from(`old-${i}`), fingerprint: 'fp', state: 'completed', expires_at: 1 })))
+      const stop = new AbortController()
+      const reason = new Error('stopped by its caller')
+      await expect(store.purgeExpired({ batchSize: 5, signal: stop.signal, onProgress: () => stop.abort(reason) })).rejects.toBe(reason)
+      expect((await db()(name).count({ n: '*' }))[0]!.n).toBe(db().client.config.client === 'pg' ? '15' : 15)
+      await expect(store.purgeExpired({ signal: stop.signal })).rejects.toBe(reason)
+      expect(await store.purgeExpired()).toBe(15)
     })
 
     it('lets the event loop run between purge batches (better-sqlite3 answers synchronously)', async () => {

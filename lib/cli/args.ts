@@ -18,13 +18,15 @@ export interface Command {
   force: boolean
   olderThan?: string
   limit?: number
+  /** purge: rows deleted per statement. */
+  batchSize?: number
   actor?: string
   json: boolean
   /** Milliseconds or a duration, for the whole command. */
   timeout: string
 }
 
-/** The command line is wrong: exit 2 with this message and the usage. */
+/** The command line is wrong: exit 2 with this message and a hint to --help. */
 class UsageError extends Error {}
 
 export const USAGE = `Usage: fastify-idempotency <command> [key] --config <module> [options]
@@ -46,9 +48,12 @@ Options:
   -f, --force             forget: remove a key in flight too
       --older-than <age>  in-flight: held for longer than this (ms, or '30s', '5m', '1h')
       --limit <n>         in-flight: at most this many (default 100)
+      --batch-size <n>    purge: rows deleted per statement (default 1000)
       --actor <name>      who asks, for the audit line (default: the system user)
-      --json              print JSON, for scripts
+      --json              print JSON, for scripts; with it, or when stderr is not a terminal,
+                          the audit line goes to stderr as JSON
       --timeout <time>    give up after this long (default 30s)
+  -v, --version           the version
   -h, --help              this text
 
 Exit codes: 0 done, 1 failed (the store did not answer, or failed), 2 usage or configuration,
@@ -62,11 +67,12 @@ const ONLY: Record<string, readonly CommandName[]> = {
   body: ['inspect'],
   force: ['forget'],
   'older-than': ['in-flight'],
-  limit: ['in-flight']
+  limit: ['in-flight'],
+  'batch-size': ['purge']
 }
 
-/** The command, `'help'`, or a UsageError. */
-export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): Command | 'help' {
+/** The command, `'help'`, `'version'`, or a UsageError. */
+export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): Command | 'help' | 'version' {
   let parsed
   try {
     parsed = parseArgs({
@@ -81,10 +87,12 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
         force: { type: 'boolean', short: 'f' },
         'older-than': { type: 'string' },
         limit: { type: 'string' },
+        'batch-size': { type: 'string' },
         actor: { type: 'string' },
         json: { type: 'boolean' },
         timeout: { type: 'string' },
-        help: { type: 'boolean', short: 'h' }
+        help: { type: 'boolean', short: 'h' },
+        version: { type: 'boolean', short: 'v' }
       }
     })
   } catch (error) {
@@ -92,6 +100,7 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
   }
   const { values, positionals } = parsed
   if (values.help === true) return 'help'
+  if (values.version === true) return 'version'
   const [name, key, ...extra] = positionals
   if (name === undefined) throw new UsageError('no command given')
   if (!COMMANDS.includes(name as CommandName)) throw new UsageError(`unknown command '${name}'`)
@@ -106,11 +115,8 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
   const scope = values['no-caller'] === true ? NO_CALLER_SCOPE : values.scope
   const config = values.config ?? env.FASTIFY_IDEMPOTENCY_CONFIG
   if (config === undefined || config === '') throw new UsageError('--config is required (or FASTIFY_IDEMPOTENCY_CONFIG)')
-  let limit: number | undefined
-  if (values.limit !== undefined) {
-    limit = Number(values.limit)
-    if (!/^\d+$/.test(values.limit) || limit < 1) throw new UsageError(`--limit must be a positive integer (got '${values.limit}')`)
-  }
+  const limit = positiveInteger(values.limit, '--limit')
+  const batchSize = positiveInteger(values['batch-size'], '--batch-size')
   return {
     name: command,
     ...(takesKey ? { key } : {}),
@@ -120,8 +126,16 @@ export function parseCommand (argv: readonly string[], env: NodeJS.ProcessEnv): 
     force: values.force === true,
     ...(values['older-than'] !== undefined ? { olderThan: values['older-than'] } : {}),
     ...(limit !== undefined ? { limit } : {}),
+    ...(batchSize !== undefined ? { batchSize } : {}),
     ...(values.actor !== undefined ? { actor: values.actor } : {}),
     json: values.json === true,
     timeout: values.timeout ?? '30s'
   }
+}
+
+function positiveInteger (value: string | undefined, option: string): number | undefined {
+  if (value === undefined) return undefined
+  const number = Number(value)
+  if (!/^\d+$/.test(value) || number < 1 || !Number.isSafeInteger(number)) throw new UsageError(`${option} must be a positive integer (got '${value}')`)
+  return number
 }

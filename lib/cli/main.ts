@@ -19,7 +19,8 @@ const code = await runCommand(process.argv.slice(2), {
   stdout: (text) => { pending.push(write(process.stdout, text)) },
   stderr: (text) => { pending.push(write(process.stderr, text)) },
   cwd: process.cwd(),
-  env: process.env
+  env: process.env,
+  terminal: process.stderr.isTTY === true
 })
 await Promise.all(pending)
 process.exit(code)

@@ -25,9 +25,12 @@ export class Audit {
     this.#store = store
   }
 
-  /** Run `call`, then report what `outcome` says of its result, or its failure. */
+  /**
+   * Run `call`, then report what `outcome` says of its result, or its failure, with what `partial`
+   * says was done before it (a purge's deleted entries).
+   */
   async run<T> (operation: IdempotencyOperation, actor: string | null, fields: Partial<IdempotencyOperationEvent>, subject: string,
-    call: () => Promise<T>, outcome: (result: T) => Outcome): Promise<T> {
+    call: () => Promise<T>, outcome: (result: T) => Outcome, partial?: () => Outcome): Promise<T> {
     const started = performance.now()
     const base = { operation, actor, via: this.#via, store: this.#store, ...fields }
     const by = actor === null ? '' : ` by ${actor}`
@@ -35,7 +38,9 @@ export class Audit {
     try {
       result = await call()
     } catch (error) {
-      this.#report({ ...base, error, durationMs: performance.now() - started }, `idempotency ${operation}${subject}${by} failed: ${String((error as Error)?.message ?? error).replace(/^fastify-idempotency: /, '')}`)
+      const done = partial?.()
+      this.#report({ ...base, ...done?.fields, error, durationMs: performance.now() - started },
+        `idempotency ${operation}${subject}${by} failed${done === undefined ? '' : ` ${done.message}`}: ${String((error as Error)?.message ?? error).replace(/^fastify-idempotency: /, '')}`)
       throw error
     }
     const told = outcome(result)

@@ -123,6 +123,19 @@ export type ForgetResult =
     lockExpiresAt: number
   })
 
+/** What `purge` is told. */
+export interface PurgeOptions extends OperationOptions {
+  /** Rows deleted per statement, where the store deletes in batches (KnexStorage: default 1000). */
+  batchSize?: number
+  /** Called after each batch with the number of expired entries deleted so far. */
+  onProgress?: (purged: number) => void
+  /**
+   * Stops the purge between two batches once aborted: it rejects with the signal's reason, and
+   * what was deleted until then stays deleted (`onProgress` has said how much).
+   */
+  signal?: AbortSignal
+}
+
 /** What `inFlight` is told. */
 export interface InFlightOptions extends OperationOptions {
   /** Only leases held for longer than this: milliseconds, or a duration such as `'5m'`; 0 (the default): all. */
@@ -187,7 +200,7 @@ export interface IdempotencyOperations {
   /** The leases held now, oldest first. */
   inFlight: (options?: InFlightOptions) => Promise<InFlightListing>
   /** Delete expired entries, where the store needs it. */
-  purge: (options?: OperationOptions) => Promise<{
+  purge: (options?: PurgeOptions) => Promise<{
     /** How many expired entries went. */
     purged: number
   }>
@@ -261,10 +274,20 @@ export class KeyOperations implements IdempotencyOperations {
   }
 
   /** Delete expired entries, for stores that do not drop them themselves (KnexStorage); how many went. */
-  async purge (options: OperationOptions = {}): Promise<{ purged: number }> {
+  async purge (options: PurgeOptions = {}): Promise<{ purged: number }> {
+    const { batchSize, onProgress, signal } = options
+    let purged = 0
+    const progress = (count: number): void => {
+      purged = count
+      onProgress?.(count)
+    }
     // MemoryStorage and RedisStorage drop expired entries themselves: they have no purge, and need none.
-    return await this.#run('purge', options, undefined, {}, async () => ({ purged: await this.#offering('purge', 'purgeExpired').purgeExpired() }),
-      (result) => ({ fields: { purged: result.purged }, message: `${result.purged} expired entries deleted` }))
+    return await this.#run('purge', options, undefined, {}, async () => {
+      const store = this.#offering('purge', 'purgeExpired')
+      return { purged: await store.purgeExpired({ ...(batchSize === undefined ? {} : { batchSize }), onProgress: progress, ...(signal === undefined ? {} : { signal }) }) }
+    }, (result) => ({ fields: { purged: result.purged }, message: `${result.purged} expired entries deleted` }),
+    // A purge that fails or is stopped midway has deleted what its finished batches deleted.
+    () => ({ fields: { purged }, message: `after ${purged} expired entries deleted` }))
   }
 
   /**
@@ -272,12 +295,12 @@ export class KeyOperations implements IdempotencyOperations {
    * operation the store does not offer is reported too. `key` as given; the call gets it checked.
    */
   async #run<T> (operation: IdempotencyOperation, options: KeyOptions, key: string | undefined, fields: Partial<IdempotencyOperationEvent>,
-    call: (ref: KeyRef | null) => Promise<T>, outcome: (result: T) => Outcome): Promise<T> {
+    call: (ref: KeyRef | null) => Promise<T>, outcome: (result: T) => Outcome, partial?: () => Outcome): Promise<T> {
     const given = key === undefined ? null : { key: String(key), scope: options.scope ?? null }
     const subject = given === null ? {} : { idempotencyKey: given.key, scope: given.scope }
     const actor = options.actor === undefined ? null : String(options.actor)
     return await this.#audit.run(operation, actor, { ...subject, ...fields }, given === null ? '' : describe(given),
-      async () => await call(key === undefined ? null : this.#ref(key, options.scope)), outcome)
+      async () => await call(key === undefined ? null : this.#ref(key, options.scope)), outcome, partial)
   }
 
   /** The key checked as the header is checked; the scope as given. */

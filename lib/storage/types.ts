@@ -153,8 +153,23 @@ export interface IdempotencyStorage {
    */
   listInFlight? (options: { limit: number }): Promise<LeaseListing>
 
-  /** Optional: delete expired entries and lapsed leases, for stores that do not drop them themselves; how many went. */
-  purgeExpired? (): Promise<number>
+  /**
+   * Optional: delete expired entries and lapsed leases, for stores that do not drop them
+   * themselves; how many went. A store that deletes in batches says how many so far after each
+   * (`onProgress`), and stops between two batches once `signal` is aborted (rejecting with its
+   * reason); one that cannot may ignore both.
+   */
+  purgeExpired? (options?: StoragePurgeOptions): Promise<number>
+}
+
+/** What `purgeExpired` may be told. */
+export interface StoragePurgeOptions {
+  /** Rows deleted per statement, where the store deletes in batches. */
+  batchSize?: number
+  /** Called after each batch with the number deleted so far. */
+  onProgress?: (purged: number) => void
+  /** Stop between two batches once aborted, rejecting with its reason. */
+  signal?: AbortSignal
 }
 
 /** What `inspect` finds under a key. */

@@ -197,8 +197,10 @@ export class KnexStorage implements TransactionalStorage {
     if (!this.#started) await this.#start()
     let total = 0
     for (;;) {
+      options.signal?.throwIfAborted()
       const { chosen, deleted } = await this.#retrying(() => this.#dialect.purgeBatch(batchSize))
       total += deleted
+      options.onProgress?.(total)
       // A short batch means nothing expired is left (or another purge is taking it).
       if (chosen < batchSize) return total
       // Let requests in between batches: better-sqlite3 answers synchronously, so without this a

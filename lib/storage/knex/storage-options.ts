@@ -2,6 +2,7 @@
  * KnexStorage's options, and how they are checked before a dialect is built from them.
  */
 import type { Knex } from 'knex'
+import type { StoragePurgeOptions } from '../types.js'
 import type { DialectOptions } from './dialect.js'
 import { DEFAULT_TABLE_NAME } from './schema.js'
 
@@ -36,11 +37,11 @@ export interface KnexStorageOptions {
   preparedStatements?: boolean
 }
 
-/** Options of `KnexStorage.purgeExpired()`. */
-export interface PurgeExpiredOptions {
-  /** Rows deleted per statement, so a large purge never holds long locks. Default 1000. */
-  batchSize?: number
-}
+/**
+ * Options of `KnexStorage.purgeExpired()`: `batchSize` (rows deleted per statement, so a large
+ * purge never holds long locks; default 1000), `onProgress` and `signal`.
+ */
+export type PurgeExpiredOptions = StoragePurgeOptions
 
 /** Below the plugin's default storeTimeout (5 s), so the store cancels before the plugin gives up. */
 const DEFAULT_STATEMENT_TIMEOUT = 4000
