@@ -61,11 +61,6 @@ export interface BeginCompleted {
 export type BeginResult = BeginAcquired | BeginInFlight | BeginCompleted
 
 /**
- * The contract every store implements: MemoryStorage, RedisStorage, KnexStorage, or your own (see
- * docs/stores/custom.md). `begin` is one atomic step; `complete`, `release` and `renew` act only
- * while the caller's fencing token holds the lease.
- */
-/**
  * The steps of a request's path as an in-process store answers them: at once, without a promise.
  * A store that offers them under `SYNCHRONOUS_STEPS` (MemoryStorage) lets the engine serve a
  * request without making a promise of its own; the engine still uses the store's promised methods
@@ -86,6 +81,11 @@ export interface SynchronousSteps {
 /** Where a store keeps its SynchronousSteps: a symbol of the global registry, the same in every copy of the package. */
 export const SYNCHRONOUS_STEPS = Symbol.for('fastify-idempotency.synchronousSteps')
 
+/**
+ * The contract every store implements: MemoryStorage, RedisStorage, KnexStorage, or your own (see
+ * docs/stores/custom.md). `begin` is one atomic step; `complete`, `release` and `renew` act only
+ * while the caller's fencing token holds the lease.
+ */
 export interface IdempotencyStorage {
   /**
    * One atomic step: return the live stored response, or report the key in flight, or take the
