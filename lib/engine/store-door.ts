@@ -21,7 +21,7 @@
  * key over and be running) is not used: the call fails as a store failure does.
  */
 import type { ResponseCipher } from '../encryption.js'
-import { SYNCHRONOUS_STEPS, type BeginResult, type IdempotencyStorage, type StorageTransaction, type StoredResponse, type StoredState, type SynchronousSteps, type TransactionalStorage, type TransactionOptions } from '../storage/types.js'
+import { SYNCHRONOUS_STEPS, storeNameOf, type BeginResult, type IdempotencyStorage, type StorageTransaction, type StoredResponse, type StoredState, type SynchronousSteps, type TransactionalStorage, type TransactionOptions } from '../storage/types.js'
 import type { MaybePromise } from './maybe-promise.js'
 import { StoreDeadline } from './store-deadline.js'
 
@@ -77,7 +77,7 @@ export class StoreDoor {
 
   /** The store's class name, for events and logs. */
   get storeName (): string {
-    return this.storage.constructor.name
+    return storeNameOf(this.storage)
   }
 
   /** Whether the store signals the end of a lease (`waitFor`), so that waiting need not poll. */

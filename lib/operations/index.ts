@@ -14,7 +14,7 @@ import { NO_CALLER_SCOPE, storageKey, storageKeyParts } from '../engine/storage-
 import type { FingerprintOptions } from '../fingerprint/fingerprint.js'
 import { readIdempotencyKey } from '../http/key.js'
 import { toMilliseconds, type PluginSettings } from '../options.js'
-import type { IdempotencyStorage, StoredCompleted } from '../storage/types.js'
+import { storeNameOf, type IdempotencyStorage, type StoredCompleted } from '../storage/types.js'
 import { Audit, type AuditLog, type Outcome } from './audit.js'
 import { fingerprintOptionsOf } from './fingerprint-options.js'
 import { shareIdentity } from '../storage/error-identity.js'
@@ -212,7 +212,7 @@ export class KeyOperations implements IdempotencyOperations {
 
   constructor (settings: Settings, log: AuditLog, via: IdempotencyOperationEvent['via'] = 'app') {
     this.#settings = settings
-    this.#audit = new Audit(log, via, settings.storage.constructor.name)
+    this.#audit = new Audit(log, via, storeNameOf(settings.storage))
   }
 
   /** What is held under the key now: absent, in flight, or a stored response (its body only with `{ body: true }`). */
@@ -318,7 +318,7 @@ export class KeyOperations implements IdempotencyOperations {
   /** The store, when it has `method`; otherwise the operation is refused before anything is done. */
   #offering<M extends 'inspect' | 'forget' | 'listInFlight' | 'purgeExpired'> (operation: string, method: M): IdempotencyStorage & Required<Pick<IdempotencyStorage, M>> {
     const { storage } = this.#settings
-    if (typeof storage[method] !== 'function') throw new IdempotencyOperationNotSupportedError(operation, storage.constructor.name, method)
+    if (typeof storage[method] !== 'function') throw new IdempotencyOperationNotSupportedError(operation, storeNameOf(storage), method)
     return storage as IdempotencyStorage & Required<Pick<IdempotencyStorage, M>>
   }
 

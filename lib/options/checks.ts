@@ -1,6 +1,6 @@
 /** The checks of options that JSON Schema cannot make: durations that parse, functions, stores. */
 import { parse as parseDuration } from '@lukeed/ms'
-import type { IdempotencyStorage, TransactionalStorage } from '../storage/types.js'
+import { storeNameOf, type IdempotencyStorage, type TransactionalStorage } from '../storage/types.js'
 import { invalid } from './schema.js'
 
 /** A duration option in milliseconds; `zero` when 0 has a meaning of its own (`olderThan: 0`: all). */
@@ -29,7 +29,7 @@ export function checkStorage (storage: unknown): void {
 
 export function checkTransaction (transaction: boolean, storage: IdempotencyStorage, context: string): boolean {
   if (transaction && typeof (storage as Partial<TransactionalStorage>).transaction !== 'function') {
-    throw invalid(context, `transaction mode needs a storage that supports transactions (KnexStorage), not ${storage.constructor.name}`)
+    throw invalid(context, `transaction mode needs a storage that supports transactions (KnexStorage), not ${storeNameOf(storage)}`)
   }
   return transaction
 }

@@ -67,6 +67,14 @@ export class MemoryStorage implements IdempotencyStorage {
   /** Stored responses since the last full sweep; every 16th also looks at the oldest entries. */
   #writesSinceSweep = 0
 
+  /**
+   * The store's name in events, logs and errors, whatever a bundler calls the class; a subclass
+   * goes by its own class's name.
+   */
+  get [Symbol.toStringTag] (): string {
+    return this.constructor === MemoryStorage ? 'MemoryStorage' : this.constructor.name
+  }
+
   constructor (options: MemoryStorageOptions = {}) {
     const maxEntries = options.maxEntries ?? 100_000
     const maxBytes = options.maxBytes ?? 64 * 1024 * 1024

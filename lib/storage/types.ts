@@ -82,6 +82,16 @@ export interface SynchronousSteps {
 export const SYNCHRONOUS_STEPS = Symbol.for('fastify-idempotency.synchronousSteps')
 
 /**
+ * The name events, logs and errors give a store: its `Symbol.toStringTag` when it has one (the
+ * built-in stores do, so the name survives a bundler or minifier that renames classes), else its
+ * class's name.
+ */
+export function storeNameOf (storage: object): string {
+  const tag = (storage as { [Symbol.toStringTag]?: unknown })[Symbol.toStringTag]
+  return typeof tag === 'string' && tag !== '' ? tag : storage.constructor.name
+}
+
+/**
  * The contract every store implements: MemoryStorage, RedisStorage, KnexStorage, or your own (see
  * docs/stores/custom.md). `begin` is one atomic step; `complete`, `release` and `renew` act only
  * while the caller's fencing token holds the lease.

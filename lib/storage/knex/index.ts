@@ -65,6 +65,14 @@ export class KnexStorage implements TransactionalStorage {
    */
   declare readonly waitFor?: (key: string, timeout: number) => Promise<void>
 
+  /**
+   * The store's name in events, logs and errors, whatever a bundler calls the class; a subclass
+   * goes by its own class's name.
+   */
+  get [Symbol.toStringTag] (): string {
+    return this.constructor === KnexStorage ? 'KnexStorage' : this.constructor.name
+  }
+
   constructor (options: KnexStorageOptions) {
     const dialect = this.#dialect = dialectFor(dialectOptions(options))
     this.#createTable = options.createTable === true

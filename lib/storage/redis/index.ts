@@ -78,6 +78,14 @@ export class RedisStorage implements IdempotencyStorage {
   /** Requests waiting, per channel; the last one gone unsubscribes from it. */
   readonly #waiters = new KeyWaiters((channel) => { this.#idle(channel) })
 
+  /**
+   * The store's name in events, logs and errors, whatever a bundler calls the class; a subclass
+   * goes by its own class's name.
+   */
+  get [Symbol.toStringTag] (): string {
+    return this.constructor === RedisStorage ? 'RedisStorage' : this.constructor.name
+  }
+
   constructor (options: RedisStorageOptions) {
     const driver = driverFor(options?.client)
     if (driver === null) {
