@@ -37,17 +37,19 @@ describe('fingerprint records', () => {
     const route = routeTag('/orders/:id')
     expect(route).toMatch(/^[\w-]{8}$/)
     const record = fingerprintRecord(route, settings, 'd'.repeat(43))
-    expect(record).toBe(`2.${route}.{"body":{"include":["/a","/b"]},"query":true,"headers":["x-tenant"]}.${'d'.repeat(43)}`)
+    expect(record).toBe(`3.${route}.{"body":{"include":["/a","/b"]},"query":true,"headers":["x-tenant"]}.${'d'.repeat(43)}`)
     const read = readRecord(record)
-    expect(read).toMatchObject({ version: 2, route, digest: 'd'.repeat(43) })
-    expect(read instanceof Error || read.version !== 2 ? null : read.settings.options).toBe(settings.options)
+    expect(read).toMatchObject({ version: 3, route, digest: 'd'.repeat(43) })
+    expect(read instanceof Error || read.version === 1 ? null : read.settings.options).toBe(settings.options)
+    // Version 2's records (0.2.0's pre-releases) are read back as such.
+    expect(readRecord(`2${record.slice(1)}`)).toMatchObject({ version: 2, route, digest: 'd'.repeat(43) })
     expect(readRecord('s7kIgi6ycrWn1XO8A93yrnkzrp-uJHYHsfCLl2W6Xvo')).toEqual({ version: 1, digest: 's7kIgi6ycrWn1XO8A93yrnkzrp-uJHYHsfCLl2W6Xvo' })
   })
 
   it('of another version, damaged, or naming options this version does not write, cannot be read', () => {
     const digest = 'd'.repeat(43)
     const route = routeTag('/orders')
-    for (const record of [`3.${route}.{}.${digest}`, `2.${route}.{}${digest}`, `2.${route}.{}.${digest.slice(1)}!`, `2.${route}{}.${digest}`, '2..', 'fp-1', '',
+    for (const record of [`4.${route}.{}.${digest}`, `3.${route}.{}${digest}`, `3.${route}.{}.${digest.slice(1)}!`, `3.${route}{}.${digest}`, '3..', `2.${route}.{}${digest}`, `2.${route}.{}.${digest.slice(1)}!`, `2.${route}{}.${digest}`, '2..', 'fp-1', '',
       `2.${route}.{"body":true}.${digest}`, `2.${route}.{"colour":"red"}.${digest}`, `2.${route}.{not json}.${digest}`, `2.${route}.{"method":"yes"}.${digest}`,
       `2.${route}.{"path":true,"method":true}.${digest}`]) {
       expect(readRecord(record), record).toBeInstanceOf(Error)
@@ -57,7 +59,7 @@ describe('fingerprint records', () => {
   it('read back many option sets without keeping them all', () => {
     for (let i = 0; i < 200; i++) {
       const settings = normalizeFingerprint({ headers: [`x-h${i}`] })
-      expect(readRecord(fingerprintRecord(routeTag('/'), settings, 'd'.repeat(43)))).toMatchObject({ version: 2 })
+      expect(readRecord(fingerprintRecord(routeTag('/'), settings, 'd'.repeat(43)))).toMatchObject({ version: 3 })
     }
   })
 
@@ -98,10 +100,26 @@ describe('comparing a request with a stored fingerprint', () => {
   })
 
   it('cannot compare a request with a record of an unknown version, or one made of raw bytes it does not have', () => {
-    expect(take({ body: { a: 1 } }).compare(`3.{}.${'d'.repeat(43)}`)).toBeInstanceOf(Error)
+    expect(take({ body: { a: 1 } }).compare(`4.{}.${'d'.repeat(43)}`)).toBeInstanceOf(Error)
+    expect(take({ body: { a: 1 } }).compare(`4.${routeTag('/orders')}.{}.${'d'.repeat(43)}`)).toBeInstanceOf(Error)
     const raw = take({ body: 'abc' }, { body: 'raw' }, 'hash-of-abc').record
     expect(take({ body: 'abc' }).compare(raw)).toBeInstanceOf(Error)
     expect(take({ body: 'abc' }, { method: true }, 'hash-of-abc').compare(raw)).toBe('same')
+  })
+
+  it('compares with a version 2 record (0.2.0\'s pre-releases) as version 2 computed it: the option tag hashed first', () => {
+    const part = (type: string, data: string) => `${type}${Buffer.byteLength(data)}:${data}`
+    const version2 = (body: string, tag: string, options: string, extra = ''): string =>
+      `2.${routeTag('/orders')}.${options}.${createHash('sha256').update(part('t', tag) + extra + part('j', body)).digest('base64url')}`
+    const defaults = version2('{"amount":5}', '["fastify-idempotency/fingerprint/v2",true,null,null,false,false,false,false,[]]', '{}')
+    expect(take({ body: { amount: 5 } }).compare(defaults)).toBe('same')
+    expect(take({ body: { amount: 6 } }).compare(defaults)).toBe('different')
+    // Made under other options than the route's now: fingerprinted again under them, as version 2.
+    const withMethod = version2('{"amount":5}', '["fastify-idempotency/fingerprint/v2",true,null,null,true,false,false,false,[]]', '{"method":true}', part('m', 'POST'))
+    expect(take({ body: { amount: 5 } }).compare(withMethod)).toBe('same')
+    expect(take({ body: { amount: 6 } }).compare(withMethod)).toBe('different')
+    // The same request under version 3 has another digest: only the version tells them apart.
+    expect(take({ body: { amount: 5 } }).record.slice(-43)).not.toBe(defaults.slice(-43))
   })
 
   it('compares with a version 1 record as 0.1.0 computed it, under the options it may have been made with', () => {

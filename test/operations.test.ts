@@ -117,7 +117,7 @@ for (const encrypted of [false, true]) {
         expect(held.since).toBeGreaterThanOrEqual(before - 1000)
         expect(held.since).toBeLessThanOrEqual(Date.now() + 1000)
         expect(held.lockExpiresAt).toBeGreaterThan(Date.now())
-        expect(held.fingerprint).toMatch(/^2\.[\w-]{8}\.\{.*\}\.[\w-]{43}$/)
+        expect(held.fingerprint).toMatch(/^3\.[\w-]{8}\.\{.*\}\.[\w-]{43}$/)
         gates.open(key)
         const first = await pending
         expect(first.status).toBe(201)

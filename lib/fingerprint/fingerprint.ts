@@ -3,15 +3,17 @@
  * `FingerprintOptions` selects.
  *
  * Unambiguous: every part is written as a type letter, its byte length and its bytes, so no two
- * different requests can produce the same byte stream. Versioned: the stream starts with a tag
- * naming the encoding version and the enabled option set, so two routes (or two deployments)
- * fingerprinting differently never produce equal fingerprints for the same request. What the
- * store keeps is a record of the digest with its version and option set (fingerprint-record.ts).
+ * different requests can produce the same byte stream under one option set. What the store keeps
+ * is a record of the digest with its version, route and option set (record.ts), and a stored
+ * digest is only ever compared with one computed under the record's own version and options.
  *
- * Version 2 (this one) fingerprints the body as it arrived (request-fingerprint.ts), writes every
- * value JSON cannot hold as a token of its own (canonical-value.ts), and says what a member
- * selection selected from what. Version 1 (0.1.0) is still computed, with `legacy`, to compare a
- * request with the entries that version stored.
+ * Version 3 (this one) hashes the parts alone. Versions 1 and 2 began the stream with a tag naming
+ * the version and the option set: about 90 bytes, more than a small body, hashed on every request
+ * to say what the record now says beside the digest. Version 2 (0.2.0's pre-releases) fingerprints
+ * the body as version 3 does: as it arrived (request-fingerprint.ts), every value JSON cannot hold
+ * as a token of its own (canonical-value.ts), a member selection saying what it selected from
+ * what. Versions 1 (0.1.0) and 2 are still computed, to compare a request with the entries they
+ * stored.
  */
 import { createHash, hash } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
@@ -61,14 +63,15 @@ export interface FingerprintSettings {
   headers: string[]
   /** The option set as the record carries it: JSON of the options that differ from the defaults. */
   options: string
-  /** The encoding version and the option set, as the first encoded part. */
-  tagPart: string
-  /** The same, as version 1 wrote it. */
-  legacyTagPart: string
+  /** The first encoded part of versions 1 and 2: the version and the option set (version 3 has none). */
+  tagParts: readonly [version1: string, version2: string]
 }
 
+/** The encoding versions: 1 (0.1.0), 2 (0.2.0's pre-releases), 3 (this one, which new fingerprints use). */
+export type FingerprintVersion = 1 | 2 | 3
+
 /** The encoding version a new fingerprint is written in. */
-export const FINGERPRINT_VERSION = 2
+export const FINGERPRINT_VERSION = 3
 
 const TAG = ['fastify-idempotency/fingerprint/v1', 'fastify-idempotency/fingerprint/v2']
 
@@ -101,12 +104,11 @@ export function normalizeFingerprint (options: FingerprintOptions = {}): Fingerp
   return {
     ...settings,
     options: JSON.stringify(described),
-    tagPart: tagPart(settings, include, exclude, FINGERPRINT_VERSION),
-    legacyTagPart: tagPart(settings, include, exclude, 1)
+    tagParts: [tagPart(settings, include, exclude, 1), tagPart(settings, include, exclude, 2)]
   }
 }
 
-function tagPart (settings: Omit<FingerprintSettings, 'options' | 'tagPart' | 'legacyTagPart'>, include: string[] | null, exclude: string[] | null, version: number): string {
+function tagPart (settings: Omit<FingerprintSettings, 'options' | 'tagParts'>, include: string[] | null, exclude: string[] | null, version: 1 | 2): string {
   // `raw` only when set, so the tags of version 1's other option sets stay as they were.
   const tag = JSON.stringify([TAG[version - 1], settings.raw ? 'raw' : settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, settings.headers])
   return `t${Buffer.byteLength(tag)}:${tag}`
@@ -281,11 +283,11 @@ function writeHeader (out: Encoder, value: string | string[] | undefined): void 
 
 /**
  * The digest of a request under `settings`: `body` is the body's part (`null` when the options
- * leave the body out); `legacy` computes it as version 1 did.
+ * leave the body out), computed as `version` did.
  */
-export function fingerprintDigest (request: FastifyRequest, settings: FingerprintSettings, body: BodyPart | null, legacy = false): string {
+export function fingerprintDigest (request: FastifyRequest, settings: FingerprintSettings, body: BodyPart | null, version: FingerprintVersion = FINGERPRINT_VERSION): string {
   const out = new Encoder()
-  out.raw(legacy ? settings.legacyTagPart : settings.tagPart)
+  if (version !== 3) out.raw(settings.tagParts[version - 1]!)
   if (settings.method) out.part('m', request.method)
   if (settings.path) {
     const mark = request.url.indexOf('?')

@@ -4,7 +4,8 @@
  * fingerprint options, or another version of the plugin, compares a retry with a stored entry (or
  * a lease in flight) under the options that entry was made with:
  *
- *   version 2   '2.' <route: 8 characters> '.' <options: JSON of what differs from the defaults> '.' <digest>
+ *   version 3   '3.' <route: 8 characters> '.' <options: JSON of what differs from the defaults> '.' <digest>
+ *   version 2   '2.' ... as version 3, its digest computed with the option tag (0.2.0's pre-releases)
  *   version 1   <digest>          fastify-idempotency 0.1.0, which kept neither route nor options
  *
  * where the digest is 43 base64url characters (fingerprint.ts) and the route a hash of the route's
@@ -17,12 +18,14 @@ import { isFingerprintOptions } from '../options.js'
 
 export type StoredFingerprint =
   | { version: 1, digest: string }
-  | { version: 2, route: string, settings: FingerprintSettings, digest: string }
+  | { version: 2 | 3, route: string, settings: FingerprintSettings, digest: string }
 
 const DIGEST = /^[\w-]{43}$/
 const DIGEST_LENGTH = 43
 const ROUTE_LENGTH = 8
 const HEAD = `${FINGERPRINT_VERSION}.`
+/** Both heads are two characters long. */
+const PREVIOUS_HEAD = '2.'
 
 const routes = new Map<string, string>()
 
@@ -50,7 +53,8 @@ export function readRecord (record: string): StoredFingerprint | Error {
   if (DIGEST.test(record)) return { version: 1, digest: record }
   const digest = record.slice(-DIGEST_LENGTH)
   const optionsAt = HEAD.length + ROUTE_LENGTH + 1
-  if (!record.startsWith(HEAD) || record.length < optionsAt + DIGEST_LENGTH + 3 || record[optionsAt - 1] !== '.' ||
+  const version = record.startsWith(HEAD) ? FINGERPRINT_VERSION : record.startsWith(PREVIOUS_HEAD) ? 2 : null
+  if (version === null || record.length < optionsAt + DIGEST_LENGTH + 3 || record[optionsAt - 1] !== '.' ||
     record[record.length - DIGEST_LENGTH - 1] !== '.' || !DIGEST.test(digest)) {
     return new Error('the stored fingerprint is of a format this version of fastify-idempotency does not know (written by a later version, or damaged)')
   }
@@ -59,7 +63,7 @@ export function readRecord (record: string): StoredFingerprint | Error {
   if (settings instanceof Error) return settings
   if (known.size >= MAX_KNOWN) known.clear()
   known.set(options, settings)
-  return { version: 2, route: record.slice(HEAD.length, optionsAt - 1), settings, digest }
+  return { version, route: record.slice(HEAD.length, optionsAt - 1), settings, digest }
 }
 
 function readOptions (text: string): FingerprintSettings | Error {

@@ -17,7 +17,7 @@ import type { FastifyRequest } from 'fastify'
 import { BodyNestedTooDeeplyError, FingerprintValueError } from '../fingerprint/canonical-value.js'
 import { IdempotencyFingerprintError, IdempotencyFingerprintUnsupportedError, type IdempotencyError } from '../errors.js'
 import type { FingerprintVerdict } from '../engine/fingerprint-check.js'
-import { bodyPart, fingerprintDigest, rawBodyPart, type ArrivedBody, type BodyPart, type FingerprintSettings } from '../fingerprint/fingerprint.js'
+import { bodyPart, fingerprintDigest, FINGERPRINT_VERSION, rawBodyPart, type ArrivedBody, type BodyPart, type FingerprintSettings } from '../fingerprint/fingerprint.js'
 import { fingerprintRecord, legacyOptionSets, readRecord, routeTag } from '../fingerprint/record.js'
 import { isStreamBody, unparsedBody, type RawBodyHash } from './raw-body.js'
 
@@ -87,13 +87,14 @@ export class Fingerprinted {
     const read = readRecord(stored)
     if (read instanceof Error) return read
     if (read.version === 1) return compareLegacy(read.digest, this)
-    // Under the same options the digests tell, whichever route made the entry (the same key and body
-    // on another route are the same request unless the options include the path).
-    if (read.settings.options === this.settings.options) return read.digest === this.record.slice(-read.digest.length) ? 'same' : 'different'
+    const sameOptions = read.settings.options === this.settings.options
+    // Under the same options and version the digests tell, whichever route made the entry (the same
+    // key and body on another route are the same request unless the options include the path).
+    if (sameOptions && read.version === FINGERPRINT_VERSION) return read.digest === this.record.slice(-read.digest.length) ? 'same' : 'different'
     // Another route's entry under other options is another operation's: the key was reused across routes.
-    if (read.route !== this.route) return 'different'
+    if (!sameOptions && read.route !== this.route) return 'different'
     try {
-      return fingerprintDigest(this.request, read.settings, partUnder(read.settings, this)) === read.digest ? 'same' : 'different'
+      return fingerprintDigest(this.request, read.settings, partUnder(read.settings, this), read.version) === read.digest ? 'same' : 'different'
     } catch (error) {
       return new Error('the request cannot be fingerprinted under the options the stored fingerprint was made with', { cause: error })
     }
@@ -140,7 +141,7 @@ function compareLegacy (digest: string, { request, settings: current, rawHash }:
   }
   for (const settings of legacyOptionSets(current)) {
     try {
-      if (fingerprintDigest(request, settings, settings.body ? partOf(settings) : null, true) === digest) return 'same'
+      if (fingerprintDigest(request, settings, settings.body ? partOf(settings) : null, 1) === digest) return 'same'
     } catch (error) {
       incomparable ??= new Error('the entry was stored by fastify-idempotency 0.1.0, whose fingerprint could not tell this body from others (a Set, a Map, an empty selection)', { cause: error })
     }
