@@ -7,16 +7,25 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { join } from 'node:path'
-import { mkdtempSync, rmSync } from 'node:fs'
+import { cpSync, mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { exec, packedConsumer, root, type PackedConsumer } from './helpers/packed.js'
 import { REDIS, service } from './helpers/services.js'
 
-const fixtures = join(root, 'test', 'fixtures', 'module-formats')
 let packed: PackedConsumer
+/**
+ * The fixtures, copied into the consumer project: run from test/fixtures, `require('fastify-idempotency')`
+ * would resolve to this repository itself (a package may import itself by its own name), so to its
+ * dist/ rather than the tarball's, and fail where no build is there.
+ */
+let fixtures: string
 const databases = mkdtempSync(join(tmpdir(), 'module-formats-'))
 
-beforeAll(async () => { packed = await packedConsumer('module-formats') }, 180_000)
+beforeAll(async () => {
+  packed = await packedConsumer('module-formats')
+  fixtures = join(packed.consumer, 'fixtures')
+  cpSync(join(root, 'test', 'fixtures', 'module-formats'), fixtures, { recursive: true })
+}, 180_000)
 afterAll(() => {
   packed?.remove()
   rmSync(databases, { recursive: true, force: true })
