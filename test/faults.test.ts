@@ -109,6 +109,24 @@ describe('store failures', () => {
     expect(t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))).toBe(true)
   })
 
+  it('makes its last attempt to store at maxLockHold, not a back-off pause past it: it has said it gave up before a retry can run the handler again', async () => {
+    const { storage, down } = breakable()
+    // Attempts 50, 150, 350, 750, 1550 and 3150 ms after the first one failed (about 150 ms after
+    // the key was taken): the next back-off pause (2 s) would end past maxLockHold (3.6 s) and past
+    // the lease's lapse (its last renewal, near 3.6 s, plus 800 ms). A lease of 800 ms outlives
+    // the event loop's stalls on a busy machine.
+    const t = await appWith(storage, { lockTimeout: 800, maxLockHold: 3600 })
+    const key = newKey()
+    down.add('complete')
+    const started = Date.now()
+    expect((await t.post(key)).statusCode).toBe(201)
+    const gaveUp = (): boolean => t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))
+    const retry = await resendWhile([409], () => t.post(key), { pause: 20, attempts: 500 })
+    expect(retry.statusCode).toBe(201)
+    expect(t.runs()).toBe(2)
+    expect(gaveUp(), `the retry ran the handler again ${Date.now() - started} ms after the first request, before the plugin said it gave up storing`).toBe(true)
+  })
+
   it('still answers the client when releasing fails after an error response', async () => {
     const { storage, down } = breakable()
     const app = Fastify()

@@ -210,9 +210,14 @@ async function keepStoring (engine: RouteEngine, state: RequestState, { statusCo
   // From the last renewal sent, not from now: the failed attempt took time the lease did not wait for.
   renewal.hold(state, state.renewedAt)
   let settlement: Settlement = { stored: false, reason: 'store-error', deliverable: true }
-  for (let pause = FIRST_STORE_RETRY_MS; Date.now() - state.acquiredAt < settings.maxLockHold; pause = Math.min(pause * 2, LAST_STORE_RETRY_MS)) {
+  for (let pause = FIRST_STORE_RETRY_MS; ; pause = Math.min(pause * 2, LAST_STORE_RETRY_MS)) {
+    // The last attempt is made at maxLockHold, not one back-off pause (up to 2 s) past it: renewal
+    // stops there, and the lease may lapse and a retry run the handler before a later attempt,
+    // and before the plugin has said that it gave up.
+    const left = settings.maxLockHold - (Date.now() - state.acquiredAt)
+    if (left <= 0) break
     // Unreferenced: a pending retry never keeps the process alive on its own.
-    await sleep(pause, undefined, { ref: false })
+    await sleep(Math.min(pause, left), undefined, { ref: false })
     if (inFlight.closed) break
     try {
       // An attempt given up on may have gone through after all: the lease is then gone because
