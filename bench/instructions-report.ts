@@ -37,7 +37,11 @@ export interface InstructionResults {
   settings: InstructionSettings
   machine: { cpuModel: string, cores: number, node: string, platform: string, valgrind: string, redis: string, loadAverageStart: number[], loadAverageEnd: number[] }
   elapsedSeconds: number
+  /** The default set of scenarios and workloads (only then does it write docs/benchmarks.md). */
+  fullSet: boolean
   runs: InstructionRun[]
+  /** Runs that failed (a server that did not start), with the error. */
+  failures: string[]
   summary: InstructionSummary[]
   targets: InstructionTarget[]
 }

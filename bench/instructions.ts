@@ -56,6 +56,7 @@ const { values: args } = parseArgs({
     dist: { type: 'boolean', default: false },
     keep: { type: 'string' },
     'no-docs': { type: 'boolean', default: false },
+    'report-only': { type: 'boolean', default: false },
     help: { type: 'boolean', default: false }
   }
 })
@@ -72,6 +73,8 @@ if (args.help) {
   --dist              load the plugin from dist/ (npm run build first)
   --keep DIR          keep the callgrind dumps in DIR (callgrind_annotate --inclusive=yes DIR/<file>)
   --no-docs           do not rewrite the section of docs/benchmarks.md
+  --report-only       rebuild instructions.md and the docs section from bench/results/instructions.json
+                      (written after every run, so a run cut short keeps what it measured)
 Needs valgrind (callgrind_control) and redis-server on the PATH.`)
   process.exit(0)
 }
@@ -266,6 +269,34 @@ async function redisVersion (): Promise<string> {
   }
 }
 
+function buildResults (runs: InstructionRun[], failures: string[], meta: Pick<InstructionResults, 'machine' | 'command' | 'fullSet'>): InstructionResults {
+  const sorted = [...runs]
+  const order = (r: InstructionRun): number => scenarios.indexOf(r.scenario) * 10 + workloads.indexOf(r.workload)
+  sorted.sort((a, b) => order(a) - order(b) || a.repeat - b.repeat)
+  const labels = Object.fromEntries(sorted.map((r) => [r.scenario, scenarioInfo(r.scenario).label]))
+  const summary = summarizeInstructions(sorted, labels)
+  return {
+    generatedAt: new Date().toISOString(),
+    ...meta,
+    settings,
+    elapsedSeconds: Math.round((Date.now() - started) / 1000),
+    runs: sorted,
+    failures,
+    summary,
+    targets: instructionTargets(summary)
+  }
+}
+
+/** bench/results/instructions.{json,md}; with `docs`, the section of docs/benchmarks.md too. */
+function writeResults (results: InstructionResults, docs: boolean): string {
+  const table = instructionsTable(results) + '\n\n' + targetsTable(results.targets) + '\n'
+  mkdirSync(RESULTS_DIR, { recursive: true })
+  writeFileSync(join(RESULTS_DIR, 'instructions.json'), JSON.stringify(results, null, 2) + '\n')
+  writeFileSync(join(RESULTS_DIR, 'instructions.md'), table)
+  if (docs) writeFileSync(DOCS_PAGE, spliceSection(readFileSync(DOCS_PAGE, 'utf8'), instructionsSection(results)))
+  return table
+}
+
 async function main (): Promise<void> {
   const valgrind = await valgrindVersion()
   const redis = await redisVersion()
@@ -278,29 +309,10 @@ async function main (): Promise<void> {
     }
   }
   log(`${tasks.length} runs (${scenarios.join(', ')}; ${workloads.join(', ')}; ${settings.repeats} repeats), ${settings.warmupRequests} warm-up + ${settings.requests} measured requests each, ${settings.jobs} at a time`)
-  const runs: InstructionRun[] = []
-  let next = 0
-  const worker = async (): Promise<void> => {
-    while (next < tasks.length) {
-      const [s, w, repeat] = tasks[next++]!
-      const result = await measureOnce(s, w, repeat)
-      runs.push(result)
-      const r = result.server
-      log(`${s} ${w} #${repeat}: core ${r.core}, compile ${r.compile}, major GC ${r.majorGC}, minor GC ${r.minorGC}, total ${r.total}` +
-        (result.redis === null ? '' : `; Redis core ${result.redis.core} (cron ${result.redis.cron})`) + ` per request; ${result.seconds} s (start ${result.phases.start} s, warm-up ${result.phases.warmup} s, window ${result.phases.window} s)` +
-        (result.issues.length > 0 ? `; ISSUES: ${result.issues.join('; ')}` : ''))
-    }
-  }
-  await Promise.all(Array.from({ length: Math.min(settings.jobs, tasks.length) }, worker))
-  const order = (r: InstructionRun): number => scenarios.indexOf(r.scenario) * 10 + workloads.indexOf(r.workload)
-  runs.sort((a, b) => order(a) - order(b) || a.repeat - b.repeat)
-  const labels = Object.fromEntries(scenarios.map((s) => [s, scenarioInfo(s).label]))
-  const summary = summarizeInstructions(runs, labels)
   const argv = process.argv.slice(2)
-  const results: InstructionResults = {
-    generatedAt: new Date().toISOString(),
+  const meta = () => ({
     command: `npm run bench:instructions${argv.length > 0 ? ` -- ${argv.join(' ')}` : ''}`,
-    settings,
+    fullSet,
     machine: {
       cpuModel: cpus()[0]?.model.trim() ?? 'unknown',
       cores: cpus().length,
@@ -310,23 +322,55 @@ async function main (): Promise<void> {
       redis,
       loadAverageStart,
       loadAverageEnd: loadavg()
-    },
-    elapsedSeconds: Math.round((Date.now() - started) / 1000),
-    runs,
-    summary,
-    targets: instructionTargets(summary)
+    }
+  })
+  const runs: InstructionRun[] = []
+  const failures: string[] = []
+  let next = 0
+  const worker = async (): Promise<void> => {
+    while (next < tasks.length) {
+      const [s, w, repeat] = tasks[next++]!
+      let result: InstructionRun
+      try {
+        result = await measureOnce(s, w, repeat)
+      } catch (error) {
+        // One failed run (a server that would not start) does not end the others; it is listed.
+        failures.push(`${s} ${w} #${repeat}: ${error instanceof Error ? error.message : String(error)}`)
+        log(`${s} ${w} #${repeat}: FAILED: ${String(error)}`)
+        continue
+      }
+      runs.push(result)
+      const r = result.server
+      log(`${s} ${w} #${repeat}: core ${r.core}, compile ${r.compile}, major GC ${r.majorGC}, minor GC ${r.minorGC}, total ${r.total}` +
+        (result.redis === null ? '' : `; Redis core ${result.redis.core} (cron ${result.redis.cron})`) + ` per request; ${result.seconds} s (start ${result.phases.start} s, warm-up ${result.phases.warmup} s, window ${result.phases.window} s)` +
+        (result.issues.length > 0 ? `; ISSUES: ${result.issues.join('; ')}` : ''))
+      // The runs so far, so that a run cut short leaves its figures (--report-only rebuilds the rest).
+      writeResults(buildResults(runs, failures, meta()), false)
+    }
   }
-  const table = instructionsTable(results) + '\n\n' + targetsTable(results.targets) + '\n'
-  mkdirSync(RESULTS_DIR, { recursive: true })
-  writeFileSync(join(RESULTS_DIR, 'instructions.json'), JSON.stringify(results, null, 2) + '\n')
-  writeFileSync(join(RESULTS_DIR, 'instructions.md'), table)
+  await Promise.all(Array.from({ length: Math.min(settings.jobs, tasks.length) }, worker))
+  const docs = fullSet && !args['no-docs'] && failures.length === 0
+  const table = writeResults(buildResults(runs, failures, meta()), docs)
   console.log('\n' + table)
-  if (fullSet && !args['no-docs']) {
-    writeFileSync(DOCS_PAGE, spliceSection(readFileSync(DOCS_PAGE, 'utf8'), instructionsSection(results)))
-    log('wrote bench/results/instructions.json, bench/results/instructions.md and the section "Instructions per request" of docs/benchmarks.md')
-  } else {
-    log('wrote bench/results/instructions.json and bench/results/instructions.md (a subset: docs/benchmarks.md left alone)')
-  }
+  if (failures.length > 0) console.log(`failed runs:\n${failures.join('\n')}`)
+  log(docs
+    ? 'wrote bench/results/instructions.json, bench/results/instructions.md and the section "Instructions per request" of docs/benchmarks.md'
+    : `wrote bench/results/instructions.json and bench/results/instructions.md (${failures.length > 0 ? 'runs failed' : 'a subset'}: docs/benchmarks.md left alone)`)
 }
 
-await main()
+/** --report-only: the table, the targets and the docs section again from bench/results/instructions.json (a run cut short included). */
+function reportOnly (): void {
+  const saved = JSON.parse(readFileSync(join(RESULTS_DIR, 'instructions.json'), 'utf8')) as InstructionResults
+  const labels = Object.fromEntries(saved.runs.map((r) => [r.scenario, scenarioInfo(r.scenario).label]))
+  saved.summary = summarizeInstructions(saved.runs, labels)
+  saved.targets = instructionTargets(saved.summary)
+  const docs = saved.fullSet && !args['no-docs']
+  const table = instructionsTable(saved) + '\n\n' + targetsTable(saved.targets) + '\n'
+  writeFileSync(join(RESULTS_DIR, 'instructions.md'), table)
+  if (docs) writeFileSync(DOCS_PAGE, spliceSection(readFileSync(DOCS_PAGE, 'utf8'), instructionsSection(saved)))
+  console.log(table)
+  log(docs ? 'rewrote bench/results/instructions.md and the section of docs/benchmarks.md' : 'rewrote bench/results/instructions.md (a subset: docs/benchmarks.md left alone)')
+}
+
+if (args['report-only']) reportOnly()
+else await main()
