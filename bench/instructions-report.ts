@@ -51,6 +51,8 @@ interface Range { min: number, max: number }
 export interface InstructionSummary {
   scenario: string
   label: string
+  /** A few words, for the ratio column. */
+  short: string
   workload: Workload
   repeats: number
   /** Server core instructions per request: the lowest repeat, and the range. */
@@ -76,7 +78,7 @@ function range (values: number[]): Range {
   return { min: Math.min(...values), max: Math.max(...values) }
 }
 
-export function summarizeInstructions (runs: InstructionRun[], labels: Record<string, string>): InstructionSummary[] {
+export function summarizeInstructions (runs: InstructionRun[], labels: Record<string, { label: string, short: string }>): InstructionSummary[] {
   const groups = new Map<string, InstructionRun[]>()
   for (const run of runs) {
     const key = `${run.scenario}\u0000${run.workload}`
@@ -87,7 +89,8 @@ export function summarizeInstructions (runs: InstructionRun[], labels: Record<st
     const withRedis = group.filter((r) => r.redis !== null)
     return {
       scenario: first.scenario,
-      label: labels[first.scenario] ?? first.scenario,
+      label: labels[first.scenario]?.label ?? first.scenario,
+      short: labels[first.scenario]?.short ?? first.scenario,
       workload: first.workload,
       repeats: group.length,
       core: range(group.map((r) => r.server.core)),
@@ -155,7 +158,7 @@ export function instructionsTable (results: InstructionResults): string {
     if (base !== undefined) {
       const redisPair = s.serverPlusRedis !== null && base.serverPlusRedis !== null
       const value = redisPair ? ratio(s.serverPlusRedis!.min, base.serverPlusRedis!.min) : ratio(s.core.min, base.core.min)
-      if (value !== null) ratioText = `${value.toFixed(2)}x ${base.label}${redisPair ? ' (server + Redis)' : ''}${base.workload !== s.workload ? ` ${base.workload}` : ''}`
+      if (value !== null) ratioText = `${value.toFixed(2)}x ${base.short}${redisPair ? ' (server + Redis)' : ''}${base.workload !== s.workload ? ` ${base.workload}` : ''}`
     }
     rows.push(`| ${s.label} | ${s.workload} | ${k(s.core.min)} | ${spread(s.core)} | ${spread(s.compile)} | ${spread(s.majorGC)} | ${spread(s.minorGC)} | ${s.redisCore === null ? '' : spread(s.redisCore)} | ${s.serverPlusRedis === null ? '' : k(s.serverPlusRedis.min)} | ${ratioText}${s.correct ? '' : ' **incorrect**'} |`)
   }
@@ -166,7 +169,7 @@ export function targetsTable (targets: InstructionTarget[]): string {
   return [
     '| target | measured | met |',
     '|---|---:|---|',
-    ...targets.map((t) => `| ${t.text} | ${t.value === null ? '—' : `${t.value.toFixed(2)}x`} | ${t.met === null ? 'not measured' : t.met ? 'yes' : '**no**'} |`)
+    ...targets.map((t) => `| ${t.text} | ${t.value === null ? '—' : `${t.value.toFixed(3)}x`} | ${t.met === null ? 'not measured' : t.met ? 'yes' : '**no**'} |`)
   ].join('\n')
 }
 
@@ -178,7 +181,7 @@ function settingsText (results: InstructionResults): string {
   const m = results.machine
   return `${results.generatedAt.slice(0, 10)}; ${m.cpuModel}, ${m.cores} cores shared with other work (load average ${m.loadAverageStart[0]?.toFixed(1)} at the start), ` +
     `Node ${m.node}, ${m.valgrind}, Redis ${m.redis}; each repeat a fresh server process: ${s.warmupRequests.toLocaleString('en')} warm-up requests, then ${s.requests.toLocaleString('en')} measured over ` +
-    `${s.connections} keep-alive connections; ${s.repeats} repeats; plugin from \`${s.source}/\`; \`${results.command}\``
+    `${s.connections} keep-alive connections; ${s.repeats} repeats; plugin from \`${s.source}/\`; \`${results.command}\`, ${Math.round(results.elapsedSeconds / 60)} minutes`
 }
 
 /** The section of docs/benchmarks.md, between its markers. */
@@ -202,7 +205,7 @@ export function instructionsSection (results: InstructionResults): string {
     '',
     targetsTable(results.targets),
     '',
-    'Reproduce with `npm run bench:instructions` (needs valgrind and `redis-server`; about an hour for the default set on 2 cores, see [bench/README.md](https://github.com/fastify-idempotency/fastify-idempotency/blob/main/bench/README.md)).',
+    'Reproduce with `npm run bench:instructions` (needs valgrind and `redis-server`; the default set takes about an hour on 2 busy cores; see [bench/README.md](https://github.com/fastify-idempotency/fastify-idempotency/blob/main/bench/README.md)).',
     SECTION_END
   ].join('\n')
 }

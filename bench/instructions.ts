@@ -273,7 +273,7 @@ function buildResults (runs: InstructionRun[], failures: string[], meta: Pick<In
   const sorted = [...runs]
   const order = (r: InstructionRun): number => scenarios.indexOf(r.scenario) * 10 + workloads.indexOf(r.workload)
   sorted.sort((a, b) => order(a) - order(b) || a.repeat - b.repeat)
-  const labels = Object.fromEntries(sorted.map((r) => [r.scenario, scenarioInfo(r.scenario).label]))
+  const labels = Object.fromEntries(sorted.map((r) => [r.scenario, { label: scenarioInfo(r.scenario).label, short: scenarioInfo(r.scenario).short }]))
   const summary = summarizeInstructions(sorted, labels)
   return {
     generatedAt: new Date().toISOString(),
@@ -361,7 +361,7 @@ async function main (): Promise<void> {
 /** --report-only: the table, the targets and the docs section again from bench/results/instructions.json (a run cut short included). */
 function reportOnly (): void {
   const saved = JSON.parse(readFileSync(join(RESULTS_DIR, 'instructions.json'), 'utf8')) as InstructionResults
-  const labels = Object.fromEntries(saved.runs.map((r) => [r.scenario, scenarioInfo(r.scenario).label]))
+  const labels = Object.fromEntries(saved.runs.map((r) => [r.scenario, { label: scenarioInfo(r.scenario).label, short: scenarioInfo(r.scenario).short }]))
   saved.summary = summarizeInstructions(saved.runs, labels)
   saved.targets = instructionTargets(saved.summary)
   const docs = saved.fullSet && !args['no-docs']
