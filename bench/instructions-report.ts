@@ -148,7 +148,7 @@ const RELATIVE: Record<string, string> = {
 export function instructionsTable (results: InstructionResults): string {
   const summary = results.summary
   const rows = [
-    '| scenario | workload | core (lowest) | core, all repeats | JIT compile | major GC | minor GC (in core) | Redis | server + Redis | ratio |',
+    '| scenario | workload | core (lowest) | core, all repeats (how many) | JIT compile | major GC | minor GC (in core) | Redis | server + Redis | ratio |',
     '|---|---|---:|---:|---:|---:|---:|---:|---:|---|'
   ]
   for (const s of summary) {
@@ -160,7 +160,7 @@ export function instructionsTable (results: InstructionResults): string {
       const value = redisPair ? ratio(s.serverPlusRedis!.min, base.serverPlusRedis!.min) : ratio(s.core.min, base.core.min)
       if (value !== null) ratioText = `${value.toFixed(2)}x ${base.short}${redisPair ? ' (server + Redis)' : ''}${base.workload !== s.workload ? ` ${base.workload}` : ''}`
     }
-    rows.push(`| ${s.label} | ${s.workload} | ${k(s.core.min)} | ${spread(s.core)} | ${spread(s.compile)} | ${spread(s.majorGC)} | ${spread(s.minorGC)} | ${s.redisCore === null ? '' : spread(s.redisCore)} | ${s.serverPlusRedis === null ? '' : k(s.serverPlusRedis.min)} | ${ratioText}${s.correct ? '' : ' **incorrect**'} |`)
+    rows.push(`| ${s.label} | ${s.workload} | ${k(s.core.min)} | ${spread(s.core)} (${s.repeats}) | ${spread(s.compile)} | ${spread(s.majorGC)} | ${spread(s.minorGC)} | ${s.redisCore === null ? '' : spread(s.redisCore)} | ${s.serverPlusRedis === null ? '' : k(s.serverPlusRedis.min)} | ${ratioText}${s.correct ? '' : ' **incorrect**'} |`)
   }
   return rows.join('\n')
 }
@@ -179,9 +179,11 @@ export const SECTION_END = '<!-- instructions:end -->'
 function settingsText (results: InstructionResults): string {
   const s = results.settings
   const m = results.machine
+  const counts = results.summary.map((row) => row.repeats)
+  const repeats = Math.min(...counts) < s.repeats ? `${s.repeats} repeats asked, ${Math.min(...counts)}–${Math.max(...counts)} done (the run was cut short)` : `${s.repeats} repeats`
   return `${results.generatedAt.slice(0, 10)}; ${m.cpuModel}, ${m.cores} cores shared with other work (load average ${m.loadAverageStart[0]?.toFixed(1)} at the start), ` +
     `Node ${m.node}, ${m.valgrind}, Redis ${m.redis}; each repeat a fresh server process: ${s.warmupRequests.toLocaleString('en')} warm-up requests, then ${s.requests.toLocaleString('en')} measured over ` +
-    `${s.connections} keep-alive connections; ${s.repeats} repeats; plugin from \`${s.source}/\`; \`${results.command}\`, ${Math.round(results.elapsedSeconds / 60)} minutes`
+    `${s.connections} keep-alive connections; ${repeats}; plugin from \`${s.source}/\`; \`${results.command}\`, ${Math.round(results.elapsedSeconds / 60)} minutes`
 }
 
 /** The section of docs/benchmarks.md, between its markers. */
