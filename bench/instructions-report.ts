@@ -160,7 +160,7 @@ export function instructionsTable (results: InstructionResults): string {
       const value = redisPair ? ratio(s.serverPlusRedis!.min, base.serverPlusRedis!.min) : ratio(s.core.min, base.core.min)
       if (value !== null) ratioText = `${value.toFixed(2)}x ${base.short}${redisPair ? ' (server + Redis)' : ''}${base.workload !== s.workload ? ` ${base.workload}` : ''}`
     }
-    rows.push(`| ${s.label} | ${s.workload} | ${k(s.core.min)} | ${spread(s.core)} (${s.repeats}) | ${spread(s.compile)} | ${spread(s.majorGC)} | ${spread(s.minorGC)} | ${s.redisCore === null ? '' : spread(s.redisCore)} | ${s.serverPlusRedis === null ? '' : k(s.serverPlusRedis.min)} | ${ratioText}${s.correct ? '' : ' **incorrect**'} |`)
+    rows.push(`| ${s.label} | ${s.workload} | ${k(s.core.min)} | ${spread(s.core)} (${s.repeats}) | ${spread(s.compile)} | ${spread(s.majorGC)} | ${spread(s.minorGC)} | ${s.redisCore === null ? '' : spread(s.redisCore)} | ${s.serverPlusRedis === null ? '' : k(s.serverPlusRedis.min)} | ${ratioText}${s.correct ? '' : ' (a run with issues: see below)'} |`)
   }
   return rows.join('\n')
 }
@@ -186,6 +186,13 @@ function settingsText (results: InstructionResults): string {
     `${s.connections} keep-alive connections; ${repeats}; plugin from \`${s.source}/\`; \`${results.command}\`, ${Math.round(results.elapsedSeconds / 60)} minutes`
 }
 
+/** The runs whose answers were not all right, each with what went wrong (none: nothing). */
+function issuesLines (results: InstructionResults): string[] {
+  const bad = results.runs.filter((r) => r.issues.length > 0)
+  if (bad.length === 0) return []
+  return [`Runs with issues: ${bad.map((r) => `${r.scenario} ${r.workload} repeat ${r.repeat}: ${r.issues.join(', ')} of ${r.requests.toLocaleString('en')}`).join('; ')}.`, '']
+}
+
 /** The section of docs/benchmarks.md, between its markers. */
 export function instructionsSection (results: InstructionResults): string {
   return [
@@ -203,6 +210,7 @@ export function instructionsSection (results: InstructionResults): string {
     '',
     `*${settingsText(results)}.*`,
     '',
+    ...issuesLines(results),
     'Against the targets the request path is held to:',
     '',
     targetsTable(results.targets),
