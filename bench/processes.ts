@@ -15,8 +15,10 @@ const MEMORY = fileURLToPath(new URL('./memory.ts', import.meta.url))
 // Which better-sqlite3 knex loads on this Node (12 on Node 20, 13 on 22 and later): see the file.
 const SQLITE_DRIVER = fileURLToPath(new URL('../scripts/sqlite-driver.cjs', import.meta.url))
 
-function nodeChild (script: string, args: string[], nodeArgs: string[], env: NodeJS.ProcessEnv): ChildProcess {
-  return spawn(process.execPath, [...nodeArgs, '--require', SQLITE_DRIVER, '--import', 'tsx', script, ...args], {
+/** `wrapper` runs Node under another program (bench/instructions.ts: valgrind); the child's pid stays Node's. */
+function nodeChild (script: string, args: string[], nodeArgs: string[], env: NodeJS.ProcessEnv, wrapper: readonly string[] = []): ChildProcess {
+  const command = [...wrapper, process.execPath, ...nodeArgs, '--require', SQLITE_DRIVER, '--import', 'tsx', script, ...args]
+  return spawn(command[0]!, command.slice(1), {
     cwd: REPO_ROOT,
     env: { ...process.env, ...env },
     stdio: ['ignore', 'inherit', 'inherit', 'ipc']
@@ -57,13 +59,14 @@ export class ServerProcess {
     })
   }
 
-  static async start (name: string, env: NodeJS.ProcessEnv, nodeArgs: string[] = []): Promise<ServerProcess> {
-    const child = nodeChild(SERVER, [name], nodeArgs, env)
+  static async start (name: string, env: NodeJS.ProcessEnv, nodeArgs: string[] = [], options: { wrapper?: readonly string[], startSeconds?: number } = {}): Promise<ServerProcess> {
+    const child = nodeChild(SERVER, [name], nodeArgs, env, options.wrapper)
+    const startSeconds = options.startSeconds ?? 60
     const port = await new Promise<number>((resolve, reject) => {
       const timer = setTimeout(() => {
         child.kill()
-        reject(new Error(`server ${name} did not start within 60 s`))
-      }, 60_000)
+        reject(new Error(`server ${name} did not start within ${startSeconds} s`))
+      }, startSeconds * 1000)
       child.on('message', (message: FromServer) => {
         if (message.type === 'ready') {
           clearTimeout(timer)

@@ -504,6 +504,7 @@ const REPRODUCE = [
   'npm run bench:pg-statements  # PostgreSQL CPU per statement of the hot path, the store\'s and the floor\'s',
   'npm run bench -- --quick   # 3 shorter rounds, 100,000 requests for the memory check: under 3 minutes',
   'npm run bench:rate -- --scenarios bare,memory,memory-sealed --workload NEW  # server CPU per request at a fixed 10,000 req/s',
+  'npm run bench:instructions  # instructions per request under callgrind (needs valgrind and redis-server)',
   '```'
 ]
 

@@ -7,7 +7,7 @@
  * the summary (bench/report.ts) and the outputs: bench/results/latest.json and latest.md,
  * docs/benchmark-chart.svg, docs/benchmark-cost.svg, docs/benchmarks.md and bench/REPORT.md. See bench/README.md.
  */
-import { copyFileSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
+import { copyFileSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs'
 import { cpus, loadavg, tmpdir, totalmem } from 'node:os'
 import { join } from 'node:path'
 import { parseArgs } from 'node:util'
@@ -22,6 +22,7 @@ import { removeRedisKeys, REPO_ROOT, runMemoryCheck, ServerProcess } from './pro
 import { costChartSvg } from './cost-chart.js'
 import { benchmarksDoc, chartSvg, comparePeers, evaluateBars, latestMarkdown, markdownTable, reportDoc, runIssues, summarize } from './report.js'
 import { formatProfile, summarizeProfile } from './profile.js'
+import { existingSection, spliceSection } from './instructions-report.js'
 import type { BenchResults, MachineInfo, RunRecord } from './results-types.js'
 import type { MemoryReport } from './memory.js'
 
@@ -260,7 +261,10 @@ function writeOutputs (results: BenchResults): void {
   mkdirSync(DOCS_DIR, { recursive: true })
   writeFileSync(join(DOCS_DIR, 'benchmark-chart.svg'), chartSvg(results))
   writeFileSync(join(DOCS_DIR, 'benchmark-cost.svg'), costChartSvg(results))
-  writeFileSync(join(DOCS_DIR, 'benchmarks.md'), benchmarksDoc(results))
+  // The section "Instructions per request" is written by `npm run bench:instructions`: kept as it stands.
+  const page = join(DOCS_DIR, 'benchmarks.md')
+  const instructions = existsSync(page) ? existingSection(readFileSync(page, 'utf8')) : null
+  writeFileSync(page, instructions === null ? benchmarksDoc(results) : spliceSection(benchmarksDoc(results), instructions))
   writeFileSync(join(REPO_ROOT, 'bench', 'REPORT.md'), reportDoc(results, NOTES))
 }
 
