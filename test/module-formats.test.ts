@@ -11,12 +11,13 @@ import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { exec, packedConsumer, root, type PackedConsumer } from './helpers/packed.js'
 import { REDIS, service } from './helpers/services.js'
+import { scaled } from './helpers/pace.js'
 
 const fixtures = join(root, 'test', 'fixtures', 'module-formats')
 let packed: PackedConsumer
 const databases = mkdtempSync(join(tmpdir(), 'module-formats-'))
 
-beforeAll(async () => { packed = await packedConsumer('module-formats') }, 180_000)
+beforeAll(async () => { packed = await packedConsumer('module-formats') }, scaled(180_000))
 afterAll(() => {
   packed?.remove()
   rmSync(databases, { recursive: true, force: true })
@@ -49,7 +50,7 @@ for (const { kind, available, reason, target } of stores) {
             inspected: 'unreadable'
           })
         }
-      }, 60_000)
+      }, scaled(60_000))
     }
   })
 }
@@ -60,4 +61,4 @@ it('runs the conformance kit under require(), with node:test, against the Common
   expect(finished.output).toMatch(/^[#ℹ] fail 0$/m)
   expect(finished.output).toMatch(/^[#ℹ] pass [1-9]\d+$/m)
   expect(finished.code, finished.output).toBe(0)
-}, 60_000)
+}, scaled(60_000))
