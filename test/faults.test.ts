@@ -9,6 +9,7 @@ import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOp
 import { newKey } from './helpers/app.js'
 import { resendWhile } from './helpers/resend.js'
 import { Gate } from './helpers/gate.js'
+import { scaled } from './helpers/pace.js'
 
 type Method = 'begin' | 'complete' | 'release' | 'renew'
 
@@ -99,13 +100,18 @@ describe('store failures', () => {
 
   it('gives up storing at maxLockHold, loudly, and the key is free again once the lease lapses', async () => {
     const { storage, down } = breakable()
-    const t = await appWith(storage, { lockTimeout: 100, maxLockHold: 300 })
+    // Renewed every lockTimeout / 8: a lease shorter than what the event loop stalls for on this
+    // machine would lapse before maxLockHold, and free the key before the plugin gave up.
+    const lockTimeout = scaled(100)
+    const t = await appWith(storage, { lockTimeout, maxLockHold: 3 * lockTimeout })
     const key = newKey()
     down.add('complete')
     expect((await t.post(key)).statusCode).toBe(201)
-    const retry = await resendWhile([409], () => t.post(key))
+    const retry = await resendWhile([409], () => t.post(key), { attempts: Math.ceil(20 * lockTimeout / 50) })
     expect(retry.statusCode).toBe(201)
     expect(t.runs()).toBe(2)
+    // Said when it gave up, at maxLockHold, before the lease lapsed: by the time a retry could
+    // run the handler again, not later.
     expect(t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))).toBe(true)
   })
 
