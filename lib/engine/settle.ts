@@ -211,8 +211,10 @@ async function keepStoring (engine: RouteEngine, state: RequestState, { statusCo
   renewal.hold(state, state.renewedAt)
   let settlement: Settlement = { stored: false, reason: 'store-error', deliverable: true }
   for (let pause = FIRST_STORE_RETRY_MS; Date.now() - state.acquiredAt < settings.maxLockHold; pause = Math.min(pause * 2, LAST_STORE_RETRY_MS)) {
+    // The last attempt is at maxLockHold, not a back-off pause past it: renewal stops then, and
+    // giving up must be said before the lease lapses and a retry runs the handler again.
     // Unreferenced: a pending retry never keeps the process alive on its own.
-    await sleep(pause, undefined, { ref: false })
+    await sleep(Math.max(0, Math.min(pause, state.acquiredAt + settings.maxLockHold - Date.now())), undefined, { ref: false })
     if (inFlight.closed) break
     try {
       // An attempt given up on may have gone through after all: the lease is then gone because
