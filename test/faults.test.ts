@@ -142,23 +142,26 @@ describe('store failures', () => {
       renew: async (k, t, l) => { renewals.push(Date.now()); return inner.renew(k, t, l) }
     }
     const app = Fastify()
-    await app.register(idempotency, { storage, lockTimeout: 150 })
+    // 150 ms, scaled by the machine's pace: a lease the event loop's stalls outlive.
+    const lockTimeout = scaled(150)
+    await app.register(idempotency, { storage, lockTimeout })
     app.setErrorHandler(idempotencyErrorHandler())
     let runs = 0
     const gate = new Gate()
     app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate.hold(); return { ok: true } })
     const key = newKey()
     const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
-    while (renewals.length < 4) await new Promise((resolve) => setTimeout(resolve, 20))
-    // 4 renewals (every lockTimeout/4, the first within 3/8 of it) are over 150 ms in: without
-    // them the 150 ms lease would have lapsed.
+    while (renewals.length < 9) await new Promise((resolve) => setTimeout(resolve, 20))
+    // 9 renewals, one every lockTimeout / 8, are past the first lockTimeout: without them the
+    // lease would have lapsed.
     const retry = await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     expect(retry.statusCode).toBe(409)
     gate.open()
     expect((await first).statusCode).toBe(200)
     expect(runs).toBe(1)
     const count = renewals.length
-    await new Promise((resolve) => setTimeout(resolve, 200))
+    // Eight renewal periods and more: none comes once the request has ended.
+    await new Promise((resolve) => setTimeout(resolve, lockTimeout + 50))
     expect(renewals.length).toBe(count)
   })
 })
