@@ -1,5 +1,6 @@
 import { fileURLToPath } from 'node:url'
 import { defineConfig } from 'vitest/config'
+import { childStartMs, scaled } from './test/helpers/pace.js'
 
 // On Node 20, knex's better-sqlite3 client loads better-sqlite3 12 (scripts/sqlite-driver.cjs
 // says why), in the test workers and in every process the tests start.
@@ -8,11 +9,15 @@ if (Number(process.versions.node.split('.')[0]) < 22) {
   process.env.NODE_OPTIONS = `${process.env.NODE_OPTIONS ?? ''} --require "${driver}"`.trim()
 }
 
+// How slow the machine is, measured once for the run and handed to the test files
+// (test/helpers/pace.ts): every time limit is scaled by it.
+process.env.IDEMPOTENCY_TEST_START_MS ??= String(Math.round(childStartMs()))
+
 export default defineConfig({
   test: {
     include: ['test/**/*.test.ts'],
-    testTimeout: 30_000,
-    hookTimeout: 60_000,
+    testTimeout: scaled(30_000),
+    hookTimeout: scaled(60_000),
     coverage: {
       provider: 'v8',
       include: ['lib/**/*.ts'],

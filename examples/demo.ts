@@ -27,7 +27,8 @@ app.post('/payments', { config: { idempotency: { required: true } } }, async (re
 })
 
 const address = await app.listen({ host: '127.0.0.1', port: 0 })
-const shown = ['content-type', 'location', 'idempotent-replayed', 'retry-after']
+/** Every response header is printed but these, which say nothing about idempotency. */
+const omitted = new Set(['date', 'connection', 'keep-alive', 'content-length'])
 
 async function exchange (title: string, key: string | undefined, body: object): Promise<void> {
   const headers: Record<string, string> = { 'content-type': 'application/json' }
@@ -38,9 +39,8 @@ async function exchange (title: string, key: string | undefined, body: object): 
   const lines = [`\n=== ${title}`, '> POST /payments HTTP/1.1']
   for (const [name, value] of Object.entries(headers)) lines.push(`> ${name}: ${value}`)
   lines.push(`> ${payload}`, `< HTTP/1.1 ${response.status} ${response.statusText}`)
-  for (const name of shown) {
-    const value = response.headers.get(name)
-    if (value !== null) lines.push(`< ${name}: ${value}`)
+  for (const [name, value] of response.headers) {
+    if (!omitted.has(name)) lines.push(`< ${name}: ${value}`)
   }
   lines.push(`< ${text}`, `(handler has run ${charges} time${charges === 1 ? '' : 's'})`)
   console.log(lines.join('\n'))

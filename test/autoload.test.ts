@@ -9,6 +9,7 @@ import { spawn } from 'node:child_process'
 import { mkdirSync, rmSync, writeFileSync } from 'node:fs'
 import { join, resolve } from 'node:path'
 import { pathToFileURL } from 'node:url'
+import { scaled } from './helpers/pace.js'
 
 const root = resolve(import.meta.dirname, '..')
 const work = join(root, '.tmp', `autoload-${process.pid}`)
@@ -75,7 +76,7 @@ function run (file: string): Promise<{ code: number | null, output: string }> {
     let output = ''
     child.stdout.on('data', (chunk: Buffer) => { output += chunk.toString() })
     child.stderr.on('data', (chunk: Buffer) => { output += chunk.toString() })
-    const timer = setTimeout(() => { child.kill('SIGKILL') }, 45_000)
+    const timer = setTimeout(() => { child.kill('SIGKILL') }, scaled(45_000))
     child.once('close', (code) => {
       clearTimeout(timer)
       resolve({ code, output })
@@ -91,12 +92,12 @@ describe('@fastify/autoload: a plugins folder and a routes folder', () => {
     const { code, output } = await run(project('wrapped', true))
     expect(code, output).toBe(0)
     expect(output.trim()).toBe('answers: 201 201 true {"order":1}')
-  }, 60_000)
+  }, scaled(60_000))
 
   it('without it: the app refuses to start, naming the route and the fix', async () => {
     const { code, output } = await run(project('unwrapped', false))
     expect(code, output).toBe(0)
     expect(output).toContain('not started: fastify-idempotency: 1 route(s) would run unguarded:\n- route POST /orders sets config.idempotency, but no registration of the plugin is in its context or above it')
     expect(output).toContain("a file of @fastify/autoload's plugins folder that registers it needs fastify-plugin: export default fp(...)")
-  }, 60_000)
+  }, scaled(60_000))
 })

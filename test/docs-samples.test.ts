@@ -37,11 +37,14 @@ import knexFactory, { type Knex } from 'knex'
 import { bundle } from './helpers/bundle.js'
 import { killChildren, runChild } from './helpers/child-run.js'
 import { MARIADB, NATS, POSTGRES, RABBITMQ, REDIS, pgConnection, service, type Availability, type ServiceConfig } from './helpers/services.js'
+import { scaled } from './helpers/pace.js'
 
 const root = resolve(import.meta.dirname, '..')
 const work = join(root, '.tmp', `docs-samples-${process.pid}`)
-/** A run that takes longer than this is killed and fails. */
-const RUN_LIMIT_MS = 30_000
+/** A run that takes longer than this is killed and fails (30 s on a quiet machine: helpers/pace.ts). */
+const RUN_LIMIT_MS = scaled(30_000)
+/** The one compiler run for every sample. */
+const COMPILE_LIMIT_MS = scaled(120_000)
 /** Runs at a time: the compiler and the other test files share the cores. */
 const PARALLEL_RUNS = 3
 
@@ -266,9 +269,9 @@ beforeAll(async () => {
     compilerOptions: { noEmit: true, incremental: false, experimentalDecorators: true, emitDecoratorMetadata: true },
     include: ['**/*.ts']
   }, null, 2))
-  compiled = runChild(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(work, 'tsconfig.json'), '--pretty', 'false'], { cwd: root, env: process.env, limitMs: 120_000 })
+  compiled = runChild(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(work, 'tsconfig.json'), '--pretty', 'false'], { cwd: root, env: process.env, limitMs: COMPILE_LIMIT_MS })
     .then(({ stdout, stderr, timedOut }) => {
-      if (timedOut) throw new Error('tsc did not finish within 120 s')
+      if (timedOut) throw new Error(`tsc did not finish within ${COMPILE_LIMIT_MS} ms`)
       const diagnostics: Diagnostic[] = []
       for (const line of stdout.split('\n')) {
         const head = /^(.+?)\((\d+),\d+\): (error|warning) (TS\d+: .*)$/.exec(line)
@@ -288,7 +291,7 @@ beforeAll(async () => {
     redis = new Redis({ host: REDIS.host, port: REDIS.port })
     redisKeysBefore = new Set(await redis.keys(`${REDIS_DEFAULT_PREFIX}*`))
   }
-}, 60_000)
+}, scaled(60_000))
 
 afterAll(async () => {
   killChildren()
@@ -302,7 +305,7 @@ afterAll(async () => {
     await redis.quit()
   }
   rmSync(work, { recursive: true, force: true })
-}, 60_000)
+}, scaled(60_000))
 
 describe('documentation samples', () => {
   it('are found, and their markers are known', () => {
@@ -329,7 +332,7 @@ describe('documentation samples', () => {
       expect(result.timedOut, report).toBe(false)
       expect(result.code, report).toBe(0)
       expect(unmetClaims(claims(sample), result.stdout), report).toEqual([])
-    }, 300_000)
+    }, scaled(300_000))
   }
 
   for (const sample of samples) {
@@ -339,7 +342,7 @@ describe('documentation samples', () => {
         .filter((d) => d.file === sample.file)
         .map((d) => `${sample.page}:${sample.origin[d.line - 1] ?? `(generated line ${d.line})`}: ${d.text}`)
       expect(mine.join('\n')).toBe('')
-    }, 150_000)
+    }, COMPILE_LIMIT_MS + 30_000)
   }
 
   it('the compiler reports nothing outside the samples', async () => {
@@ -348,5 +351,5 @@ describe('documentation samples', () => {
     const elsewhere = diagnostics.filter((d) => !files.has(d.file))
     expect(elsewhere.map((d) => `${d.file}:${d.line}: ${d.text}`).join('\n')).toBe('')
     if (diagnostics.length === 0) expect(output.trim()).toBe('')
-  }, 150_000)
+  }, COMPILE_LIMIT_MS + 30_000)
 })

@@ -18,6 +18,7 @@ import { newKey } from './helpers/app.js'
 import { postWithKey, type HttpAnswer } from './helpers/http-client.js'
 import { http2Post } from './helpers/http2.js'
 import { storeCases } from './helpers/stores.js'
+import { scaled } from './helpers/pace.js'
 
 const cases = await storeCases()
 
@@ -141,7 +142,9 @@ for (const store of cases) {
         reply.code(201).type('text/csv')
         return Readable.from(made.chunks())
       })
-      app.post('/unfinished-stream', { config: { idempotency: { lockTimeout: 300 } } }, async (request, reply) => {
+      // Kept for lockTimeout after its client left: long enough that the lease, renewed every
+      // lockTimeout / 8, outlives the event loop's stalls on a loaded machine.
+      app.post('/unfinished-stream', { config: { idempotency: { lockTimeout: scaled(300) } } }, async (request, reply) => {
         const made = start('/unfinished-stream', request, reply)
         reply.code(201).type('text/csv')
         return Readable.from(made.chunks())

@@ -1,6 +1,7 @@
 import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
+import * as exported from '../lib/index.js'
 import {
   IdempotencyError,
   IdempotencyFingerprintError,
@@ -9,6 +10,7 @@ import {
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
   IdempotencyRequestInProgressError,
+  IdempotencyResultNotRecordedError,
   IdempotencyScopeError,
   IdempotencyServerClosingError,
   IdempotencyStoreUnavailableError,
@@ -29,7 +31,8 @@ const kinds = [
   { error: new IdempotencyFingerprintUnsupportedError('k7', 'POST /orders', '/items/0', 'the body holds an instance of Point', null), status: 500, anchor: 'fingerprint-unsupported', title: 'Idempotency fingerprint unsupported', key: 'k7' },
   { error: new IdempotencyStoredResponseUnreadableError('k5', new Error('tampered')), status: 409, anchor: 'stored-response-unreadable', title: 'Idempotency stored response unreadable', key: 'k5' },
   { error: new IdempotencyServerClosingError('k7'), status: 503, anchor: 'server-closing', title: 'Idempotency server closing', key: 'k7' },
-  { error: new IdempotencyScopeError('k8'), status: 500, anchor: 'scope-unresolved', title: 'Idempotency scope unresolved', key: 'k8' }
+  { error: new IdempotencyScopeError('k8'), status: 500, anchor: 'scope-unresolved', title: 'Idempotency scope unresolved', key: 'k8' },
+  { error: new IdempotencyResultNotRecordedError('k9', 'the function returned a function'), status: 409, anchor: 'result-not-recorded', title: 'Idempotency result not recorded', key: 'k9' }
 ]
 
 async function answer (error: Error, handler = idempotencyErrorHandler()) {
@@ -46,6 +49,22 @@ describe('errors', () => {
     const sections = anchorsOf(readFileSync(new URL('../docs/errors.md', import.meta.url), 'utf8'))
     for (const { anchor } of kinds) expect(sections).toContain(anchor)
     expect(sections).toContain('idempotency-errors')
+  })
+
+  it('each have a row of the table atop docs/errors.md, with their status, and the 5xx ones are those said to keep a stack', () => {
+    const page = readFileSync(new URL('../docs/errors.md', import.meta.url), 'utf8')
+    const classes = Object.entries(exported)
+      .filter(([, value]) => typeof value === 'function' && value !== IdempotencyError && value.prototype instanceof IdempotencyError)
+      .map(([name]) => name)
+    expect(new Set(kinds.map(({ error }) => error.constructor.name))).toEqual(new Set(classes))
+    for (const { error, status, anchor } of kinds) {
+      const row = new RegExp(`^\\| \\[[^\\]]+\\]\\(#${anchor}\\) \\| \`${error.constructor.name}\` \\| ([^|]+) \\|`, 'm').exec(page)
+      expect(row, `${error.constructor.name}'s row`).not.toBeNull()
+      expect(row![1], `${error.constructor.name}'s status`).toMatch(new RegExp(`\\b${status}\\b`))
+    }
+    const stackRow = /^\| `stack` \| Only for a 5xx \((.+?)\)\. /m.exec(page)
+    const listed = [...stackRow![1]!.matchAll(/\(#([a-z-]+)\)/g)].map((match) => match[1])
+    expect(new Set(listed)).toEqual(new Set(kinds.filter(({ status }) => status >= 500).map(({ anchor }) => anchor)))
   })
 
   it('share a base class, a type guard, static type/title and instance members', () => {

@@ -2,16 +2,19 @@
  * The examples run: each orders-and-payments variant (examples/orders-*.ts) drives itself over
  * real HTTP with `--self-test`, in a child process, and must exit 0 having printed every check.
  * The Redis variant runs when Redis answers, and is skipped with the reason otherwise (a failure
- * under CI=true, as for every test that needs a service).
+ * under CI=true, as for every test that needs a service). `npm run demo` (examples/demo.ts) prints
+ * the exchanges docs/getting-started.md shows, and the page shows what it prints.
  */
 import { afterAll, describe, expect, it } from 'vitest'
+import { readFileSync } from 'node:fs'
 import { resolve } from 'node:path'
 import { killChildren, runChild, type Finished } from './helpers/child-run.js'
 import { REDIS, service } from './helpers/services.js'
+import { scaled } from './helpers/pace.js'
 
 const root = resolve(import.meta.dirname, '..')
 /** A self-test takes about a second; this is for a machine under load. */
-const LIMIT_MS = 45_000
+const LIMIT_MS = scaled(45_000)
 
 const redis = await service(REDIS)
 
@@ -63,6 +66,21 @@ describe.concurrent('examples', () => {
     expect(result.code, report).toBe(0)
     expect(result.output.split('\n').filter((line) => line.startsWith('  ok  '))).toHaveLength(4)
     expect(result.output).toContain('self-test passed: 4 requests, every write committed exactly once')
+  }, LIMIT_MS + 5000)
+
+  it('demo.ts prints the answers docs/getting-started.md shows under "What a client sees", header for header', async () => {
+    const result = await runChild(process.execPath, ['--import', 'tsx', 'examples/demo.ts'], { cwd: root, env: process.env, limitMs: LIMIT_MS })
+    expect(result.code, result.output).toBe(0)
+    const printed = result.output.split('\n=== ').slice(1).map((exchange) => exchange.split('\n')
+      .filter((line) => line.startsWith('< '))
+      .map((line) => line.slice(2))
+      // The least Retry-After-Ms says, as the page shows it, unless the route's earlier requests
+      // took longer (a loaded machine): then the page is not what this run shows.
+      .map((line) => /^retry-after-ms: ([1-9]\d{2}|1000)$/.test(line) ? 'retry-after-ms: 100' : line))
+    const page = readFileSync(resolve(root, 'docs/getting-started.md'), 'utf8').split('\n## What a client sees\n')[1]!.split('\n## ')[0]!
+    const shown = [...page.matchAll(/^```http\n(HTTP\/1\.1 [^]*?)\n```$/gm)].map((block) => block[1]!.split('\n').filter((line) => line !== ''))
+    expect(shown).toHaveLength(5)
+    expect(shown).toEqual(printed)
   }, LIMIT_MS + 5000)
 
   it('orders-redis.ts says so and exits 1 when Redis does not answer', async () => {

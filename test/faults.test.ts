@@ -9,6 +9,7 @@ import idempotency, { idempotencyErrorHandler, MemoryStorage, type IdempotencyOp
 import { newKey } from './helpers/app.js'
 import { resendWhile } from './helpers/resend.js'
 import { Gate } from './helpers/gate.js'
+import { scaled } from './helpers/pace.js'
 
 type Method = 'begin' | 'complete' | 'release' | 'renew'
 
@@ -99,13 +100,18 @@ describe('store failures', () => {
 
   it('gives up storing at maxLockHold, loudly, and the key is free again once the lease lapses', async () => {
     const { storage, down } = breakable()
-    const t = await appWith(storage, { lockTimeout: 100, maxLockHold: 300 })
+    // Renewed every lockTimeout / 8: a lease shorter than what the event loop stalls for on this
+    // machine would lapse before maxLockHold, and free the key before the plugin gave up.
+    const lockTimeout = scaled(100)
+    const t = await appWith(storage, { lockTimeout, maxLockHold: 3 * lockTimeout })
     const key = newKey()
     down.add('complete')
     expect((await t.post(key)).statusCode).toBe(201)
-    const retry = await resendWhile([409], () => t.post(key))
+    const retry = await resendWhile([409], () => t.post(key), { attempts: Math.ceil(20 * lockTimeout / 50) })
     expect(retry.statusCode).toBe(201)
     expect(t.runs()).toBe(2)
+    // Said when it gave up, at maxLockHold, before the lease lapsed: by the time a retry could
+    // run the handler again, not later.
     expect(t.logs.some((line) => line.level === 50 && /gave up storing it/.test(line.msg))).toBe(true)
   })
 
@@ -154,23 +160,26 @@ describe('store failures', () => {
       renew: async (k, t, l) => { renewals.push(Date.now()); return inner.renew(k, t, l) }
     }
     const app = Fastify()
-    await app.register(idempotency, { storage, lockTimeout: 150 })
+    // 150 ms, scaled by the machine's pace: a lease the event loop's stalls outlive.
+    const lockTimeout = scaled(150)
+    await app.register(idempotency, { storage, lockTimeout })
     app.setErrorHandler(idempotencyErrorHandler())
     let runs = 0
     const gate = new Gate()
     app.post('/slow', { config: { idempotency: true } }, async () => { runs++; await gate.hold(); return { ok: true } })
     const key = newKey()
     const first = app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
-    while (renewals.length < 4) await new Promise((resolve) => setTimeout(resolve, 20))
-    // 4 renewals (every lockTimeout/4, the first within 3/8 of it) are over 150 ms in: without
-    // them the 150 ms lease would have lapsed.
+    while (renewals.length < 9) await new Promise((resolve) => setTimeout(resolve, 20))
+    // 9 renewals, one every lockTimeout / 8, are past the first lockTimeout: without them the
+    // lease would have lapsed.
     const retry = await app.inject({ method: 'POST', url: '/slow', headers: { 'idempotency-key': key }, payload: {} })
     expect(retry.statusCode).toBe(409)
     gate.open()
     expect((await first).statusCode).toBe(200)
     expect(runs).toBe(1)
     const count = renewals.length
-    await new Promise((resolve) => setTimeout(resolve, 200))
+    // Eight renewal periods and more: none comes once the request has ended.
+    await new Promise((resolve) => setTimeout(resolve, lockTimeout + 50))
     expect(renewals.length).toBe(count)
   })
 })

@@ -14,6 +14,7 @@ import { bundle } from './helpers/bundle.js'
 import { killChildren, runChild } from './helpers/child-run.js'
 import { pgbouncer } from './helpers/pgbouncer.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { scaled } from './helpers/pace.js'
 
 const root = fileURLToPath(new URL('..', import.meta.url))
 const program = bundle(fileURLToPath(new URL('./fixtures/knex-wait-exit.ts', import.meta.url)), join(root, '.tmp/bundles'))
@@ -35,7 +36,7 @@ describe('a KnexStorage app in wait mode exits by itself once closed', () => {
       const finished = await runChild(process.execPath, [await program], {
         cwd: root,
         env: { ...process.env, KNEX_CONFIG: JSON.stringify(database.config), TABLE: `exit_${process.pid}_${Date.now().toString(36)}_${index}` },
-        limitMs: 20_000
+        limitMs: scaled(20_000)
       })
       expect(finished.stdout, finished.output).toContain('ANSWERS 201, 201 replayed')
       expect(finished.stdout, finished.output).toContain('CLOSED')

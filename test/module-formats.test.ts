@@ -11,6 +11,7 @@ import { cpSync, mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { exec, packedConsumer, root, type PackedConsumer } from './helpers/packed.js'
 import { REDIS, service } from './helpers/services.js'
+import { scaled } from './helpers/pace.js'
 
 let packed: PackedConsumer
 /**
@@ -25,7 +26,7 @@ beforeAll(async () => {
   packed = await packedConsumer('module-formats')
   fixtures = join(packed.consumer, 'fixtures')
   cpSync(join(root, 'test', 'fixtures', 'module-formats'), fixtures, { recursive: true })
-}, 180_000)
+}, scaled(180_000))
 afterAll(() => {
   packed?.remove()
   rmSync(databases, { recursive: true, force: true })
@@ -58,7 +59,7 @@ for (const { kind, available, reason, target } of stores) {
             inspected: 'unreadable'
           })
         }
-      }, 60_000)
+      }, scaled(60_000))
     }
   })
 }
@@ -69,4 +70,4 @@ it('runs the conformance kit under require(), with node:test, against the Common
   expect(finished.output).toMatch(/^[#ℹ] fail 0$/m)
   expect(finished.output).toMatch(/^[#ℹ] pass [1-9]\d+$/m)
   expect(finished.code, finished.output).toBe(0)
-}, 60_000)
+}, scaled(60_000))

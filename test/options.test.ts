@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
-import idempotency, { MemoryStorage, type IdempotencyOptions } from '../lib/index.js'
+import { readFileSync } from 'node:fs'
+import idempotency, { MemoryStorage, optionsSchema, routeConfigSchema, type IdempotencyOptions } from '../lib/index.js'
 
 async function register (options: unknown): Promise<void> {
   const app = Fastify()
@@ -119,5 +120,22 @@ describe('closeTimeout and Fastify\'s pluginTimeout', () => {
     await expect(registerOn({ pluginTimeout: 30_000 }, { closeTimeout: '27s' })).resolves.toBeUndefined()
     await expect(registerOn({ pluginTimeout: 0 }, { closeTimeout: '1h' })).resolves.toBeUndefined()
     await expect(registerOn({ pluginTimeout: 30_000 }, { closeTimeout: '28s' })).rejects.toThrow(/closeTimeout \(28000 ms\) must be at most 90 % of Fastify's pluginTimeout \(30000 ms\)/)
+  })
+})
+
+describe('docs/options.md', () => {
+  // The option tables are what a user reads: each option the plugin accepts has its row, in the
+  // table that says where it may be set.
+  const text = readFileSync(new URL('../docs/options.md', import.meta.url), 'utf8')
+  const rowsOf = (heading: string): string[] => {
+    const section = text.split(`\n## ${heading}\n`)[1]!.split('\n## ')[0]!
+    return [...section.matchAll(/^\| `(\w+)` \|/gm)].map((match) => match[1]!)
+  }
+
+  it('has a row for each route option in "Plugin and route options", and for each plugin-only option in "Plugin-only options"', () => {
+    const routeOptions = Object.keys(routeConfigSchema.properties)
+    const pluginOnly = Object.keys(optionsSchema.properties).filter((name) => !routeOptions.includes(name))
+    expect(rowsOf('Plugin and route options').sort()).toEqual([...routeOptions].sort())
+    expect(rowsOf('Plugin-only options').sort()).toEqual([...pluginOnly].sort())
   })
 })

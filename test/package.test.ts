@@ -20,6 +20,7 @@ import type { Options } from 'tsup'
 import tsupConfig from '../tsup.config.js'
 import { anchorsOf, isExternal, linksOf } from './helpers/markdown.js'
 import { exec, packedConsumer, root, run, type PackedConsumer } from './helpers/packed.js'
+import { scaled } from './helpers/pace.js'
 
 let packed: PackedConsumer
 let tarball = ''
@@ -41,7 +42,7 @@ beforeAll(async () => {
   packed = await packedConsumer('package')
   ;({ tarball, consumer, installed } = packed)
   work = dirname(consumer)
-}, 180_000)
+}, scaled(180_000))
 
 afterAll(() => packed?.remove())
 
@@ -184,7 +185,7 @@ describe('the packed package', () => {
       const listing = JSON.parse(await stdoutOf(process.execPath, [bin, 'in-flight', '--json', '--config', config], consumer)) as unknown
       expect(listing, config).toEqual({ leases: [], complete: true })
     }
-  }, 120_000)
+  }, scaled(120_000))
 
   // test/fixtures/consumer/app.ts, as an application's `.mts` and `.cts`, under the strictest
   // settings an application is likely to have, with both TypeScript lines.
@@ -212,7 +213,7 @@ describe('the packed package', () => {
       const checked = await exec(process.execPath, [tsc, '-p', consumer], consumer)
       expect(checked.output).toBe('')
       expect(checked.code).toBe(0)
-    }, 120_000)
+    }, scaled(120_000))
   }
 
   it('builds its declarations with TypeScript 7 as well, the same files as with TypeScript 5', async () => {
@@ -220,5 +221,5 @@ describe('the packed package', () => {
     await run(process.execPath, [join(root, 'scripts', 'build-types.mjs'), '--typescript', 'typescript7', '--out-dir', relative(root, out)], root)
     const declarations = (dir: string): string[] => readdirSync(dir, { recursive: true, encoding: 'utf8' }).filter((file) => /\.d\.c?ts$/.test(file)).sort()
     expect(declarations(out)).toEqual(declarations(join(installed, 'dist')))
-  }, 120_000)
+  }, scaled(120_000))
 })

@@ -16,6 +16,7 @@ import { tmpdir } from 'node:os'
 import { join, resolve } from 'node:path'
 import knexFactory from 'knex'
 import { bundle } from './helpers/bundle.js'
+import { scaled } from './helpers/pace.js'
 
 const root = resolve(import.meta.dirname, '..')
 const dir = mkdtempSync(join(tmpdir(), 'sqlite-lifetime-'))
@@ -57,7 +58,7 @@ describe(`SQLite processes on Node ${process.versions.node}`, () => {
       expect(Number(statements), exit.output).toBe(50_000)
       expect(Number(collections), exit.output).toBeGreaterThan(10)
     }
-  }, 120_000)
+  }, scaled(120_000))
 
   it('KnexStorage: 3 processes serve, close, collect and start again 4 times, then exit cleanly', async () => {
     const exits = await runAll(3, [await bundle(join(root, 'test/fixtures/sqlite-gc.ts'), join(root, '.tmp/bundles'))])
@@ -65,7 +66,7 @@ describe(`SQLite processes on Node ${process.versions.node}`, () => {
       expect({ code: exit.code, signal: exit.signal }, exit.output).toEqual({ code: 0, signal: null })
       expect(exit.output, exit.output).toMatch(/^DONE 300 \d+$/m)
     }
-  }, 120_000)
+  }, scaled(120_000))
 
   it('knex loads the better-sqlite3 docs/stores/knex.md recommends for this Node: 12 on Node 20, 13 from Node 22', async () => {
     const knex = knexFactory({ client: 'better-sqlite3', connection: { filename: ':memory:' }, useNullAsDefault: true })

@@ -1,5 +1,6 @@
 import { describe, it, beforeEach, afterAll, expect } from 'vitest'
 import Fastify from 'fastify'
+import { readFileSync } from 'node:fs'
 import { request } from 'node:http'
 import { storageConformance } from '../lib/storage/conformance.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
@@ -25,6 +26,16 @@ describe('the conformance suite, for a store that offers fewer optional methods'
     const all = registered({ operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })
     expect(all.skipped).toEqual([])
     expect(all.run).toHaveLength(run.length + skipped.length)
+  })
+
+  it('registers as many tests, run and skipped, as docs/stores/custom.md shows a store without optional methods', () => {
+    const { run, skipped } = registered({})
+    const page = readFileSync(new URL('../docs/stores/custom.md', import.meta.url), 'utf8')
+    const shown = /map-storage\.test\.ts \((\d+) tests \| (\d+) skipped\)/.exec(page)
+    expect(shown, 'the summary line of the MapStorage run').not.toBeNull()
+    expect([Number(shown![1]), Number(shown![2])]).toEqual([run.length + skipped.length, skipped.length])
+    const words = ['zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine', 'ten', 'eleven', 'twelve', 'thirteen', 'fourteen', 'fifteen']
+    expect(page).toContain(`The ${words[skipped.length]} skipped are`)
   })
 
   it('gives a store too slow for a short lease a longer one in the renew test, instead of failing it', async () => {

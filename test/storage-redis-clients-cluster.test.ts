@@ -13,6 +13,7 @@ import { GlideClusterClient, ProtocolVersion } from '@valkey/valkey-glide'
 import type { RedisStorageClient } from '../lib/redis.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 import { redisClientSuite } from './helpers/redis-client-suite.js'
+import { scaled } from './helpers/pace.js'
 
 const availability = redisClusterAvailability()
 
@@ -22,14 +23,14 @@ describe.skipIf(!availability.available)('RedisStorage on cluster clients' + ava
   beforeAll(async () => {
     cluster = await startRedisCluster()
     reader = new Cluster(cluster.nodes)
-  }, 60_000)
+  }, scaled(60_000))
   afterAll(async () => {
     try {
       await reader?.quit()
     } finally {
       await cluster?.stop()
     }
-  }, 30_000)
+  }, scaled(30_000))
 
   const nodeRedis = async <T extends { connect: () => Promise<unknown>, on: (event: 'error', listener: () => void) => unknown }>(client: T): Promise<RedisStorageClient> => {
     client.on('error', () => {})

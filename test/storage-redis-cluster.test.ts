@@ -7,6 +7,7 @@ import type { StoredResponse } from '../lib/storage/types.js'
 import { redisClusterAvailability, startRedisCluster, type RedisClusterHandle } from './helpers/redis-cluster.js'
 import { redisClientSuite } from './helpers/redis-client-suite.js'
 import { runWaitExit } from './helpers/redis-wait-exit.js'
+import { scaled } from './helpers/pace.js'
 
 const availability = redisClusterAvailability()
 const PREFIX = `test:redis-cluster-storage:${process.pid}:${Date.now()}:`
@@ -36,7 +37,7 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     cluster = await startRedisCluster()
     client = newCluster()
     pipelined = newCluster({ enableAutoPipelining: true })
-  }, 60_000)
+  }, scaled(60_000))
 
   afterAll(async () => {
     try {
@@ -44,7 +45,7 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     } finally {
       await cluster?.stop()
     }
-  }, 30_000)
+  }, scaled(30_000))
 
   const harness = { describe, it, beforeEach, afterAll }
   storageConformance('redis cluster', () => new RedisStorage({ client, prefix: PREFIX }), harness, { operations: ['inspect', 'forget', 'listInFlight'], waitFor: true })

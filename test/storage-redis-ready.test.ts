@@ -12,6 +12,7 @@ import idempotency, { type IdempotencyStorage } from '../lib/index.js'
 import { RedisStorage } from '../lib/redis.js'
 import { REDIS, service } from './helpers/services.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
+import { scaled } from './helpers/pace.js'
 
 const redis = await service(REDIS)
 const own = redisClusterAvailability()
@@ -70,7 +71,7 @@ describe.skipIf(!redis.available)('RedisStorage at start-up' + redis.reason, () 
       const admin = new Redis({ port: server.port })
       await admin.call('ACL', 'SETUSER', 'default', '-eval', '-evalsha')
       await admin.quit()
-    }, 60_000)
+    }, scaled(60_000))
     afterAll(async () => { await server?.stop() })
 
     it('fails the start, naming the ACL', async () => {

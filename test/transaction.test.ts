@@ -16,6 +16,7 @@ import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availab
 import { effectCount, postOrder, startServers, type ServerProcess } from './helpers/processes.js'
 import { newKey } from './helpers/app.js'
 import { pgbouncer } from './helpers/pgbouncer.js'
+import { scaled } from './helpers/pace.js'
 
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-trx-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
@@ -136,7 +137,7 @@ for (const dialect of dialects) {
 
         beforeAll(async () => {
           servers = await startServers(2, { STORE: dialect.store, NAMESPACE: namespace, LOCK_TIMEOUT: String(LOCK_TIMEOUT), TRANSACTION: '1', ...dialect.env })
-        }, 120_000)
+        }, scaled(120_000))
         afterAll(async () => {
           await Promise.all(servers.map((server) => server.kill()))
           await knex.schema.dropTableIfExists(`${namespace}_effects`)

@@ -11,6 +11,7 @@ import { afterAll, beforeAll } from 'vitest'
 import { bundle } from './bundle.js'
 import { REDIS, deleteRedisPrefix, mysqlConnection, pgConnection } from './services.js'
 import { postWithKey, type HttpAnswer } from './http-client.js'
+import { scaled } from './pace.js'
 
 const fixture = fileURLToPath(new URL('../fixtures/server.ts', import.meta.url))
 /** The fixture as one module, bundled once per test process: the servers start as plain node. */
@@ -77,7 +78,7 @@ export function sharedServers (store: string, namespace: string, env: () => Prom
     const base = await env()
     servers.push(...await startServers(3, base))
     waiting.push(...await startServers(2, { ...base, WAIT: '1' }))
-  }, 120_000)
+  }, scaled(120_000))
   afterAll(async () => {
     await Promise.all([...servers, ...waiting].map((server) => server.kill()))
     await dropNamespace(store, namespace)

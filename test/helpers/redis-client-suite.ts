@@ -24,6 +24,7 @@ import { storageConformance } from '../../lib/storage/conformance.js'
 import { WAITERS_OFFSET, WAITING } from '../../lib/storage/redis/codec.js'
 import { Gate } from './gate.js'
 import { postWithKey, type HttpAnswer } from './http-client.js'
+import { scaled } from './pace.js'
 
 export interface RedisClientCase {
   /** What the describe says of the client: library, version, protocol, options. */
@@ -163,15 +164,18 @@ export function redisClientSuite (clientCase: RedisClientCase, reader: () => Red
       })
 
       it('renews the lease of a handler that runs longer than lockTimeout, and a duplicate is refused meanwhile', async () => {
-        const short = await serve({ storage, lockTimeout: 400 }, false)
+        // Renewed every lockTimeout / 8: 400 ms, scaled by the machine's pace so that the lease
+        // outlives the event loop's stalls on a loaded machine.
+        const lockTimeout = scaled(400)
+        const short = await serve({ storage, lockTimeout }, false)
         const base = await short.listen({ host: '127.0.0.1', port: 0 })
         try {
           gate = new Gate()
           const key = `renew-${randomUUID()}`
           const first = post('/gated', key, base)
           await gate.entered
-          // Three renewals: the lease has outlived its first lockTimeout by far.
-          await vi.waitFor(() => { expect(renewals.filter((renewed) => renewed === key).length).toBeGreaterThanOrEqual(3) }, { timeout: 20_000, interval: 20 })
+          // Nine renewals, one every lockTimeout / 8: the lease has outlived its first lockTimeout.
+          await vi.waitFor(() => { expect(renewals.filter((renewed) => renewed === key).length).toBeGreaterThanOrEqual(9) }, { timeout: scaled(20_000), interval: 20 })
           const duplicate = await post('/gated', key, base)
           expect(duplicate.status).toBe(409)
           expect(JSON.parse(duplicate.body).type).toMatch(/#request-in-progress$/)

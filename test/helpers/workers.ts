@@ -8,13 +8,14 @@ import { spawn, type ChildProcess } from 'node:child_process'
 import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { bundle } from './bundle.js'
+import { scaled } from './pace.js'
 
 const bundles = fileURLToPath(new URL('../../.tmp/bundles', import.meta.url))
 const programs = new Map<string, Promise<string>>()
 const started = new Set<Worker>()
 
 /** How long a worker may take to say something a test waits for, on a busy machine. */
-const LINE_LIMIT_MS = 20_000
+const LINE_LIMIT_MS = scaled(20_000)
 
 export interface Worker {
   readonly pid: number
