@@ -8,6 +8,6 @@ import type { FingerprintOptions } from '../fingerprint/fingerprint.js'
 
 export function fingerprintOptionsOf (fingerprint: string): FingerprintOptions | null {
   const record = readRecord(fingerprint)
-  if (record instanceof Error || record.version !== 2) return null
+  if (record instanceof Error || record.version === 1) return null
   return JSON.parse(record.settings.options) as FingerprintOptions
 }
