@@ -112,13 +112,18 @@ for (const encrypted of [false, true]) {
         const pending = post('/orders', key, { 'x-hold': '1' })
         await gates.arrived(key)
         const held = await app.idempotency.inspect(key)
-        expect(held).toMatchObject({ key, scope: null, state: 'in-flight', fingerprintOptions: { method: true, path: true } })
-        if (held.state !== 'in-flight') throw new Error('expected in flight')
-        expect(held.since).toBeGreaterThanOrEqual(before - 1000)
-        expect(held.since).toBeLessThanOrEqual(Date.now() + 1000)
-        expect(held.lockExpiresAt).toBeGreaterThan(Date.now())
-        expect(held.fingerprint).toMatch(/^3\.[\w-]{8}\.\{.*\}\.[\w-]{43}$/)
-        gates.open(key)
+        // Opened whatever the checks say: a handler left waiting would hold the app's close, and
+        // the file would hang instead of failing.
+        try {
+          expect(held).toMatchObject({ key, scope: null, state: 'in-flight', fingerprintOptions: { method: true, path: true } })
+          if (held.state !== 'in-flight') throw new Error('expected in flight')
+          expect(held.since).toBeGreaterThanOrEqual(before - 1000)
+          expect(held.since).toBeLessThanOrEqual(Date.now() + 1000)
+          expect(held.lockExpiresAt).toBeGreaterThan(Date.now())
+          expect(held.fingerprint).toMatch(/^3\.[\w-]{8}\.\{.*\}\.[\w-]{43}$/)
+        } finally {
+          gates.open(key)
+        }
         const first = await pending
         expect(first.status).toBe(201)
         const stored = await app.idempotency.inspect(`"${key}"`)
