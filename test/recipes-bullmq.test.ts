@@ -11,6 +11,7 @@ import { Redis } from 'ioredis'
 import { REDIS, deleteRedisPrefix, service } from './helpers/services.js'
 import { killWorkers, startWorker } from './helpers/workers.js'
 import { expectDocumented } from './helpers/recipes.js'
+import { scaled } from './helpers/pace.js'
 
 const redisUp = await service(REDIS)
 const PREFIX = `recipes_bull_${process.pid}_${Date.now()}`
@@ -38,11 +39,14 @@ describe.skipIf(!redisUp.available)(`BullMQ recipe: a job whose worker is killed
     queues.push(queue)
     const job = await queue.add('invoice', { amount: 4200, email: 'ada@example.com' }, { jobId: 'invoice-1' })
 
-    const first = await startWorker('bullmq-worker.ts', { QUEUE: name, PREFIX, HANG: '1' })
+    // The key's lease outlives the job lock by more than a worker takes to start and to pick the
+    // stalled job up, on this machine (2 s on a quiet one; helpers/pace.ts).
+    const env = { QUEUE: name, PREFIX, LEASE_MS: String(scaled(2000)) }
+    const first = await startWorker('bullmq-worker.ts', { ...env, HANG: '1' })
     await first.line(`HANGING ${job.id}`)
-    const second = startWorker('bullmq-worker.ts', { QUEUE: name, PREFIX })
+    // Ready before the first dies, so that the lease is still held when it takes the job.
+    const survivor = await startWorker('bullmq-worker.ts', env)
     await first.kill('SIGKILL')
-    const survivor = await second
     // The job lock lapses before the key's lease: the job's next run finds its work still in
     // progress, and puts the job off without spending an attempt.
     await survivor.line(`DELAYED ${job.id} `)

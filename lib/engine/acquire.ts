@@ -17,6 +17,7 @@ import { fingerprintRefusal, type FingerprintComparison } from './fingerprint-ch
 import type { RequestState } from './request-state.js'
 import { isPromise, type MaybePromise } from './maybe-promise.js'
 import type { RouteEngine } from './route-engine.js'
+import { inFlightStep } from './in-flight.js'
 import type { TakenLease } from './store-door.js'
 
 export type Acquisition =
@@ -45,18 +46,7 @@ const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
 export function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null = null): MaybePromise<Acquisition> {
   state.startAcquiring(storageKey, fingerprint, fingerprinted)
   if (!engine.inFlight.enter(state, engine.reporter)) return advance(state, { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) })
-  let answer: MaybePromise<Acquisition>
-  try {
-    answer = ask(engine, state)
-  } catch (error) {
-    engine.inFlight.leave(state)
-    throw error
-  }
-  if (!isPromise(answer)) return answered(engine, state, answer)
-  return answer.then((acquisition) => answered(engine, state, acquisition), (error: unknown) => {
-    engine.inFlight.leave(state)
-    throw error
-  })
+  return inFlightStep(engine, state, undefined, ask, answered)
 }
 
 /** The request moves to the phase its answer leads to; only one that runs its handler stays in flight (settling it ends it). */

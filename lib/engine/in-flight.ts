@@ -10,6 +10,8 @@
  */
 import type { RequestState } from './request-state.js'
 import type { Reporter } from './report.js'
+import { isPromise, type MaybePromise } from './maybe-promise.js'
+import type { RouteEngine } from './route-engine.js'
 
 export class InFlight {
   /** Each request in flight, with the reporter of its route (to say what became of it at the bound). */
@@ -69,4 +71,29 @@ export function reportStillInFlight (state: RequestState, reporter: Reporter): v
   // Its lease is never given back while its handler may still run: a retry would run it alongside.
   const what = state.phase === 'running' ? 'its handler is still running' : 'its response is still being stored'
   reporter.report(state, 'lease-lost', { phase: 'close' }, 'error', `idempotency request still in flight when app.close() stopped waiting for it (closeTimeout): ${what}. Its lease stays held until the response is stored or the lease lapses (within lockTimeout once the app has closed); a retry after that runs the handler again`)
+}
+
+/**
+ * One store step of a request in flight: `step`'s value (now or later) goes to `then`; if `step`
+ * throws or rejects, the request leaves the in-flight registry and the error goes on. Top-level
+ * functions and their arguments rather than closures: on a store that answers at once, nothing is
+ * allocated.
+ */
+export function inFlightStep<A, T, R> (
+  engine: RouteEngine, state: RequestState, argument: A,
+  step: (engine: RouteEngine, state: RequestState, argument: A) => MaybePromise<T>,
+  then: (engine: RouteEngine, state: RequestState, value: T) => R
+): MaybePromise<R> {
+  let value: MaybePromise<T>
+  try {
+    value = step(engine, state, argument)
+  } catch (error) {
+    engine.inFlight.leave(state)
+    throw error
+  }
+  if (!isPromise(value)) return then(engine, state, value)
+  return value.then((resolved) => then(engine, state, resolved), (error: unknown) => {
+    engine.inFlight.leave(state)
+    throw error
+  })
 }

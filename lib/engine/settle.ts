@@ -11,6 +11,7 @@ import type { RequestState } from './request-state.js'
 import { callOnCopy, storeIfKeeps, type ResponseCallbacks } from './route-callbacks.js'
 import { isPromise, type MaybePromise } from './maybe-promise.js'
 import type { RouteEngine } from './route-engine.js'
+import { inFlightStep } from './in-flight.js'
 
 /** Why an executed request's response was not stored. */
 export type NotStoredReason = NonNullable<IdempotencyEvent['reason']>
@@ -54,21 +55,15 @@ const STORED: Settlement = { stored: true, deliverable: true }
  * retried in the background.
  */
 export function settle (engine: RouteEngine, state: RequestState, ending: Ending): MaybePromise<Settlement> {
-  let settled: MaybePromise<Settlement>
-  try {
-    engine.renewal.drop(state)
-    engine.durations.record(performance.now() - state.started)
-    const decided = decide(engine, state, ending)
-    settled = isPromise(decided) ? decided.then((what) => keep(engine, state, ending, what)) : keep(engine, state, ending, decided)
-  } catch (error) {
-    engine.inFlight.leave(state)
-    throw error
-  }
-  if (!isPromise(settled)) return left(engine, state, settled)
-  return settled.then((settlement) => left(engine, state, settlement), (error: unknown) => {
-    engine.inFlight.leave(state)
-    throw error
-  })
+  return inFlightStep(engine, state, ending, settling, left)
+}
+
+/** The lease stops being renewed, and the response is stored or the key given back. */
+function settling (engine: RouteEngine, state: RequestState, ending: Ending): MaybePromise<Settlement> {
+  engine.renewal.drop(state)
+  engine.durations.record(performance.now() - state.started)
+  const decided = decide(engine, state, ending)
+  return isPromise(decided) ? decided.then((what) => keep(engine, state, ending, what)) : keep(engine, state, ending, decided)
 }
 
 /** The request leaves the in-flight registry, unless storing goes on in the background: it leaves when that ends. */
