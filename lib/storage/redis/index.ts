@@ -161,16 +161,19 @@ export class RedisStorage implements IdempotencyStorage {
    * The start-up check (the plugin calls it when the app starts): the server takes begin's very
    * `SET … PX … NX GET` (Redis 7.0 or later, or Valkey), and runs the storage's scripts (EVAL not
    * disabled, nor refused by an ACL), on a probe key outside the keys of idempotency keys (no hash
-   * tag, so no key of the storage can be it), which expires within a second. A server that cannot
-   * be reached fails it too, or never answers it (the plugin gives up at `storeTimeout`).
+   * tag, so no key of the storage can be it): a lease of its own, which the script ends (deletes),
+   * or, when another process's probe is there at the same moment, that one expires within a
+   * second. A server that cannot be reached fails it too, or never answers it (the plugin gives up
+   * at `storeTimeout`).
    */
   async ready (): Promise<void> {
     const probe = this.#open.slice(0, -1) + 'ready-probe'
+    const probeFence = fenceOf(this.#tokens.next())
     let step = 'SET … PX … NX GET'
     try {
-      await this.#driver.call('set', probe, ['probe', 'PX', '1000', 'NX', 'GET'])
+      await this.#driver.call('set', probe, [probeFence, 'PX', '1000', 'NX', 'GET'])
       step = 'a script (EVAL)'
-      await this.#driver.script(END_LEASE, probe, [fenceOf(this.#tokens.next())])
+      await this.#driver.script(END_LEASE, probe, [probeFence])
     } catch (error) {
       const reason = error instanceof Error ? error.message.split('\n')[0]! : String(error)
       const code = this.#driver.replyCode(error)
