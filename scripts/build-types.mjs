@@ -3,7 +3,8 @@
  * so that the build works with whichever TypeScript is installed: 5.x, or 7.x, whose native
  * compiler has no JavaScript API for a bundler to call. `tsc -p tsconfig.build.json` writes one
  * `.d.ts` per module of lib/ into dist/; each gets a `.d.cts` twin, whose relative imports name
- * `.cjs` files, for `require` (the package is ESM: a `.d.ts` here declares an ES module).
+ * `.cjs` files, for `require` (the package is ESM: a `.d.ts` here declares an ES module); the main
+ * entry's twin declares what `require` gives, the plugin (scripts/cjs-main.mjs).
  *
  *   node scripts/build-types.mjs                          # the project's TypeScript
  *   node scripts/build-types.mjs --typescript typescript7 --out-dir .tmp/types   # another one
@@ -13,6 +14,7 @@ import { mkdirSync, readdirSync, readFileSync, writeFileSync } from 'node:fs'
 import { createRequire } from 'node:module'
 import { dirname, join, relative, resolve } from 'node:path'
 import { parseArgs } from 'node:util'
+import { withoutTypeOnlyReexports, writeRequireDeclarations } from './cjs-main.mjs'
 
 const root = resolve(import.meta.dirname, '..')
 const { values } = parseArgs({ options: { typescript: { type: 'string', default: 'typescript' }, 'out-dir': { type: 'string', default: 'dist' } } })
@@ -39,10 +41,12 @@ const walk = (dir) => {
     else if (entry.name.endsWith('.d.ts')) {
       const twin = path.replace(/\.d\.ts$/, '.d.cts')
       mkdirSync(dirname(twin), { recursive: true })
-      writeFileSync(twin, toCommonJs(readFileSync(path, 'utf8')))
+      writeFileSync(twin, withoutTypeOnlyReexports(toCommonJs(readFileSync(path, 'utf8'))))
       written++
     }
   }
 }
 walk(outDir)
-console.log(`types: ${written} declaration files and their .d.cts twins in ${relative(root, outDir) || '.'}`)
+// The CommonJS main entry is the plugin itself (scripts/cjs-main.mjs).
+const names = writeRequireDeclarations(outDir)
+console.log(`types: ${written} declaration files and their .d.cts twins in ${relative(root, outDir) || '.'}; index.d.cts declares require()'s plugin with ${names} exports`)

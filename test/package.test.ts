@@ -134,7 +134,8 @@ describe('the packed package', () => {
     const main = require('fastify-idempotency')
     const loaded = Object.keys(require.cache)
     if (loaded.some((file) => /node_modules[\\\\/](ioredis|knex|pg|mysql2|better-sqlite3)[\\\\/]/.test(file))) throw new Error('the main entry loaded a driver')
-    if (typeof main.default !== 'function' || main.default !== main.idempotency) throw new Error('bad main exports')
+    // The plugin itself, its other exports its properties, as @fastify plugins are.
+    if (typeof main !== 'function' || main.default !== main || main.idempotency !== main) throw new Error('bad main exports')
     for (const [name, names] of Object.entries(entries)) {
       const mod = require(name)
       for (const n of names) if (mod[n] === undefined) throw new Error(name + ' lacks ' + n)
@@ -207,8 +208,9 @@ describe('the packed package', () => {
       const source = readFileSync(join(root, 'test', 'fixtures', 'consumer', 'app.ts'), 'utf8')
       writeFileSync(join(consumer, 'esm.mts'), source)
       writeFileSync(join(consumer, 'cjs.cts'), source)
+      writeFileSync(join(consumer, 'require.cts'), readFileSync(join(root, 'test', 'fixtures', 'consumer', 'require.cts'), 'utf8'))
       // The package's own declarations are checked too (no skipLibCheck).
-      writeFileSync(join(consumer, 'tsconfig.json'), JSON.stringify({ compilerOptions: strict, files: ['esm.mts', 'cjs.cts'] }))
+      writeFileSync(join(consumer, 'tsconfig.json'), JSON.stringify({ compilerOptions: strict, files: ['esm.mts', 'cjs.cts', 'require.cts'] }))
       const tsc = join(root, 'node_modules', typescript, 'bin', 'tsc')
       const checked = await exec(process.execPath, [tsc, '-p', consumer], consumer)
       expect(checked.output).toBe('')
