@@ -37,7 +37,6 @@ export default defineConfig({
     // 2-core machine, `npm test` took 729 s with one worker and 510 s with two, while the shared
     // PostgreSQL saw at most 63 of its 100 connections. `--maxWorkers` overrides it.
     maxWorkers: 2,
-    minWorkers: 1,
     testTimeout: scaled(30_000),
     hookTimeout: scaled(60_000),
     coverage: {
