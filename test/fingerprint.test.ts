@@ -149,6 +149,42 @@ describe('canonicalValue (bodies other parsers made)', () => {
     }), { numRuns: 300 })
   })
 
+  it('writes the same for values whose members are already in canonical order (written by JSON.stringify alone)', () => {
+    const sorted = (value: unknown): unknown => {
+      if (Array.isArray(value)) return value.map(sorted)
+      if (value === null || typeof value !== 'object') return value
+      return Object.fromEntries(Object.keys(value).sort().map((name) => [name, sorted((value as Record<string, unknown>)[name])]))
+    }
+    fc.assert(fc.property(fc.jsonValue(), (value) => {
+      const inOrder = sorted(value)
+      expect(canonicalValue(inOrder)).toBe(canonicalize(value))
+      expect(canonicalValue(inOrder, 'json')).toBe(canonicalize(value))
+    }), { numRuns: 300 })
+    // What JSON.stringify writes otherwise than the canonical text must not take that way.
+    expect(canonicalValue({ a: 1, toJSON: () => 'x' })).toBe('\u0000oObject:"x"')
+    expect(canonicalValue({ a: [1, , 3] })).toBe('{"a":[1,null,3]}') // eslint-disable-line no-sparse-arrays
+    expect(canonicalValue({ a: undefined, b: 1 })).toBe('{"b":1}')
+    expect(canonicalValue({ a: 1n })).toBe('{"a":\u0000n1}')
+    expect(canonicalValue({ a: Number.NaN })).toBe('{"a":\u0000fNaN}')
+    expect(canonicalValue({ a: new Date(0) })).toBe(`{"a":\u0000oDate:${JSON.stringify(new Date(0))}}`)
+    // Integer-like names come first in an object, whatever order canonical JSON puts them in.
+    expect(canonicalValue({ 9: 'a', 10: 'b', '-': 'c' })).toBe('{"-":"c","10":"b","9":"a"}')
+    const bare = Object.assign(Object.create(null) as Record<string, unknown>, { a: 1, b: { c: 'd' } })
+    expect(canonicalValue(bare)).toBe('{"a":1,"b":{"c":"d"}}')
+    class Point { x = 1 }
+    expect(canonicalValue({ a: new Point() })).toBe('{"a":{"x":1}}')
+    let deep: unknown = 'end'
+    for (let depth = 0; depth < 40; depth++) deep = { a: deep }
+    expect(canonicalValue(deep)).toBe(canonicalize(deep))
+    const cyclic: Record<string, unknown> = { a: 1 }
+    cyclic.b = cyclic
+    expect(canonicalValue(cyclic)).toBe('{"a":1,"b":\u0000r1}')
+    // A short string with something to escape, and a long one, written as JSON writes them.
+    for (const text of ['a"b', 'a\\b', 'tab\there', 'lone \ud800', 'é €', 'x'.repeat(40) + '"']) {
+      expect(canonicalValue({ [text]: text })).toBe(`{${JSON.stringify(text)}:${JSON.stringify(text)}}`)
+    }
+  })
+
   it('handles cycles, Buffers, streams and functions, and tells different file bytes apart', () => {
     const entry = (bytes: Buffer) => {
       const body: Record<string, unknown> = { note: { value: 'monthly' } }

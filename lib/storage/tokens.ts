@@ -21,8 +21,38 @@ const TIME_DIGITS = 9
 const RANDOM_CHARS = 15
 const COUNTER_DIGITS = TOKEN_LENGTH - 1 - TIME_DIGITS - RANDOM_CHARS
 
+/**
+ * Every two-digit base-36 string, '00' to 'zz': the last two digits of a number are looked up
+ * here, and only the digits before them are formatted, once every 1,296 numbers. Formatting a
+ * number in base 36 (`toString(36)`) costs V8 a floating-point division per digit, about 2,000
+ * instructions per token for the two fields, each request.
+ */
+const DIGIT_PAIRS = Array.from({ length: 36 * 36 }, (_, n) => n.toString(36).padStart(2, '0'))
+
+/** `n` (a non-negative integer) in base 36, `digits` long: the digits before the last two come from `head`. */
+class Base36Field {
+  readonly #headDigits: number
+  #headValue = -1
+  #head = ''
+
+  constructor (digits: number) {
+    this.#headDigits = digits - 2
+  }
+
+  format (n: number): string {
+    const headValue = Math.floor(n / DIGIT_PAIRS.length)
+    if (headValue !== this.#headValue) {
+      this.#headValue = headValue
+      this.#head = headValue.toString(36).padStart(this.#headDigits, '0')
+    }
+    return this.#head + DIGIT_PAIRS[n - headValue * DIGIT_PAIRS.length]!
+  }
+}
+
 export class TokenGenerator {
   readonly #random = randomBytes(12).toString('base64url').slice(0, RANDOM_CHARS)
+  readonly #timeField = new Base36Field(TIME_DIGITS)
+  readonly #counterField = new Base36Field(COUNTER_DIGITS)
   #count = 0
   /** The last issue time and the token's start for it: requests in the same millisecond share it. */
   #time = NaN
@@ -32,9 +62,9 @@ export class TokenGenerator {
   next (now: number = Date.now()): string {
     if (now !== this.#time) {
       this.#time = now
-      this.#prefix = DATED + Math.floor(now).toString(36).padStart(TIME_DIGITS, '0') + this.#random
+      this.#prefix = DATED + this.#timeField.format(Math.floor(now)) + this.#random
     }
-    return this.#prefix + (++this.#count).toString(36).padStart(COUNTER_DIGITS, '0')
+    return this.#prefix + this.#counterField.format(++this.#count)
   }
 }
 
