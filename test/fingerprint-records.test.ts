@@ -46,6 +46,18 @@ describe('fingerprint records', () => {
     expect(readRecord('s7kIgi6ycrWn1XO8A93yrnkzrp-uJHYHsfCLl2W6Xvo')).toEqual({ version: 1, digest: 's7kIgi6ycrWn1XO8A93yrnkzrp-uJHYHsfCLl2W6Xvo' })
   })
 
+  it('of version 3 hash the parts alone: the default options hash the body part only, other options each part in order', () => {
+    const body = '{"amount":4200,"currency":"eur","item":"book"}'
+    const part = (type: string, data: string) => `${type}${Buffer.byteLength(data)}:${data}`
+    const digest = (text: string) => createHash('sha256').update(text).digest('base64url')
+    expect(take({ body: JSON.parse(body) }).record).toBe(`3.${routeTag('/orders')}.{}.${digest(part('j', body))}`)
+    expect(take({ body: 'café', headers: { 'content-type': 'text/plain' } }).record.slice(-43)).toBe(digest(part('r', 'café')))
+    expect(take({ body: 'café' }).record.slice(-43)).toBe(digest(part('j', '"café"')))
+    expect(take({ body: JSON.parse(body), method: 'PUT' }, { method: true }).record.slice(-43)).toBe(digest(part('m', 'PUT') + part('j', body)))
+    expect(take({ body: undefined }).record.slice(-43)).toBe(digest('n'))
+    expect(take({ body: JSON.parse(body) }, { body: false, method: true }).record.slice(-43)).toBe(digest(part('m', 'POST')))
+  })
+
   it('of another version, damaged, or naming options this version does not write, cannot be read', () => {
     const digest = 'd'.repeat(43)
     const route = routeTag('/orders')

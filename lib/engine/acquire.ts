@@ -77,7 +77,7 @@ function ask (engine: RouteEngine, state: RequestState): MaybePromise<Acquisitio
   const waitUntil = engine.settings.waitTimeout > 0 ? Date.now() + engine.settings.waitTimeout : 0
   let taken: MaybePromise<TakenLease>
   try {
-    taken = engine.door.begin(state.storageKey, state.fingerprint, (since) => engine.renewal.inTime(since))
+    taken = engine.door.begin(state.storageKey, state.fingerprint, engine.renewal)
   } catch (error) {
     return beginFailed(engine, state, error)
   }
@@ -98,7 +98,7 @@ async function keepAsking (engine: RouteEngine, state: RequestState, holder: Beg
     if (engine.inFlight.closed) return { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) }
     let taken
     try {
-      taken = await engine.door.begin(state.storageKey, state.fingerprint, (since) => engine.renewal.inTime(since))
+      taken = await engine.door.begin(state.storageKey, state.fingerprint, engine.renewal)
     } catch (error) {
       return beginFailed(engine, state, error)
     }
@@ -126,18 +126,14 @@ function beginFailed (engine: RouteEngine, state: RequestState, error: unknown):
 
 /** What one answer of the store leads to (the `attempt`th, counting from 0); WAIT for a duplicate in flight to wait for. */
 function decide (engine: RouteEngine, state: RequestState, taken: TakenLease, attempt: number, waitUntil: number): MaybePromise<Acquisition> | typeof WAIT {
-  const { settings, reporter, renewal } = engine
+  const { settings, reporter } = engine
   const { result } = taken
   if (attempt > 0) reporter.report(state, 'wait', { waitedMs: performance.now() - state.started })
   if (result.state === 'acquired') {
     if (engine.inFlight.closed) return closedMeanwhile(engine, state, result.token)
     const acquiredAt = Date.now()
-    const hold = (): Acquisition => {
-      state.hold(result.token, acquiredAt)
-      renewal.hold(state, taken.since)
-      return RUN
-    }
-    return settings.transaction ? openTransaction(engine, state, result.token).then((refused) => refused ?? hold()) : hold()
+    if (!settings.transaction) return hold(engine, state, result.token, acquiredAt, taken.since)
+    return openTransaction(engine, state, result.token).then((refused) => refused ?? hold(engine, state, result.token, acquiredAt, taken.since))
   }
   // A different request under this key is refused whether the first one finished or not.
   const refusal = fingerprintRefusal(engine, state, result.fingerprint)
@@ -147,6 +143,13 @@ function decide (engine: RouteEngine, state: RequestState, taken: TakenLease, at
   if (now < waitUntil) return WAIT
   reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
   return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
+}
+
+/** The lease is the request's, taken at `acquiredAt` and measured by the store from `since`: it runs, and the lease is renewed. */
+function hold ({ renewal }: RouteEngine, state: RequestState, token: string, acquiredAt: number, since: number): Acquisition {
+  state.hold(token, acquiredAt)
+  renewal.hold(state, since)
+  return RUN
 }
 
 /**

@@ -110,7 +110,7 @@ export async function runStep<T> (engine: RouteEngine, state: RequestState, name
   let result
   let recordKey = stepKey
   try {
-    result = (await door.begin(stepKey, state.fingerprint, (since) => renewal.inTime(since))).result
+    result = (await door.begin(stepKey, state.fingerprint, renewal)).result
     if (result.state === 'acquired') ({ result, recordKey } = await orLegacyRecord(engine, state.fingerprint, stepKey, result, STEP_KEY_PREFIX + recordHash))
   } catch (error) {
     throw error instanceof UnreadableEntryError ? new IdempotencyStoredResponseUnreadableError(state.key, error) : new IdempotencyStoreUnavailableError(state.key, error)

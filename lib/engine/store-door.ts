@@ -39,6 +39,11 @@ export interface TakenLease {
   since: number
 }
 
+/** Whether a lease measured from `since` and held from now is renewed in time (LeaseRenewal). */
+export interface LeaseClock {
+  inTime: (since: number) => boolean
+}
+
 /** The times a door's calls carry. */
 export interface DoorSettings {
   /** Milliseconds each call may take; 0 bounds nothing. */
@@ -95,25 +100,25 @@ export class StoreDoor {
 
   /**
    * Take the lease on `key` (or learn what holds it), so that the engine can rely on it: a lease
-   * granted to a call given up on is given back at once; one answered after `inTime` says renewal
-   * would reach it is renewed first, and refused (LeaseLapsedError) when it lapsed meanwhile. A
+   * granted to a call given up on is given back at once; one answered after `renewal.inTime` says
+   * renewal would reach it is renewed first, and refused (LeaseLapsedError) when it lapsed meanwhile. A
    * store that answers at once answers here at once (and throws at once), in time by definition.
    */
-  begin (key: string, fingerprint: string, inTime: (since: number) => boolean): MaybePromise<TakenLease> {
+  begin (key: string, fingerprint: string, renewal: LeaseClock): MaybePromise<TakenLease> {
     if (this.#sync !== null) {
       const since = Date.now()
       return { result: this.#sync.begin(key, fingerprint, this.#settings.lockTimeout), since }
     }
-    return this.#beginLater(key, fingerprint, inTime)
+    return this.#beginLater(key, fingerprint, renewal)
   }
 
-  async #beginLater (key: string, fingerprint: string, inTime: (since: number) => boolean): Promise<TakenLease> {
+  async #beginLater (key: string, fingerprint: string, renewal: LeaseClock): Promise<TakenLease> {
     const { lockTimeout } = this.#settings
     const sentAt = Date.now()
     const result = await this.#deadline.run('begin', () => this.storage.begin(key, fingerprint, lockTimeout), (late) => {
       if (late.state === 'acquired') void this.giveBack(key, late.token)
     })
-    if (result.state !== 'acquired' || inTime(sentAt)) return { result, since: sentAt }
+    if (result.state !== 'acquired' || renewal.inTime(sentAt)) return { result, since: sentAt }
     const renewedAt = Date.now()
     let held: boolean
     try {

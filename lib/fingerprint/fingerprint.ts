@@ -61,6 +61,8 @@ export interface FingerprintSettings {
   query: boolean
   contentType: boolean
   headers: string[]
+  /** The body is the only part (no method, path, query, content type or header). */
+  bodyOnly: boolean
   /** The option set as the record carries it: JSON of the options that differ from the defaults. */
   options: string
   /** The first encoded part of versions 1 and 2: the version and the option set (version 3 has none). */
@@ -103,12 +105,13 @@ export function normalizeFingerprint (options: FingerprintOptions = {}): Fingerp
   if (headers.length > 0) described.headers = headers
   return {
     ...settings,
+    bodyOnly: settings.body && !settings.method && !settings.path && !settings.query && !settings.contentType && headers.length === 0,
     options: JSON.stringify(described),
     tagParts: [tagPart(settings, include, exclude, 1), tagPart(settings, include, exclude, 2)]
   }
 }
 
-function tagPart (settings: Omit<FingerprintSettings, 'options' | 'tagParts'>, include: string[] | null, exclude: string[] | null, version: 1 | 2): string {
+function tagPart (settings: Omit<FingerprintSettings, 'bodyOnly' | 'options' | 'tagParts'>, include: string[] | null, exclude: string[] | null, version: 1 | 2): string {
   // `raw` only when set, so the tags of version 1's other option sets stay as they were.
   const tag = JSON.stringify([TAG[version - 1], settings.raw ? 'raw' : settings.body, include, exclude, settings.method, settings.path, settings.query, settings.contentType, settings.headers])
   return `t${Buffer.byteLength(tag)}:${tag}`
@@ -286,6 +289,10 @@ function writeHeader (out: Encoder, value: string | string[] | undefined): void 
  * leave the body out), computed as `version` did.
  */
 export function fingerprintDigest (request: FastifyRequest, settings: FingerprintSettings, body: BodyPart | null, version: FingerprintVersion = FINGERPRINT_VERSION): string {
+  // The default option set, a body of text: its one part hashed as it stands (what Encoder writes).
+  if (settings.bodyOnly && version === 3 && body !== null && body !== NO_BODY && typeof body[1] === 'string') {
+    return hash('sha256', `${body[0]}${Buffer.byteLength(body[1])}:${body[1]}`, 'base64url')
+  }
   const out = new Encoder()
   if (version !== 3) out.raw(settings.tagParts[version - 1]!)
   if (settings.method) out.part('m', request.method)

@@ -237,7 +237,9 @@ function run (reply: FastifyReply, http: HttpRequestState): void {
     clientGone(reply, http)
     return
   }
-  reply.raw.once('close', () => { onClose(reply, http) })
+  // `on`, not `once`: a response closes once, and `once` would wrap the listener in another
+  // (a bound function and its state) on every request.
+  reply.raw.on('close', () => { onClose(reply, http) })
 }
 
 /** The reply's 'close', while the handler may still be running. */

@@ -32,7 +32,7 @@ const ENTRY_OVERHEAD_BYTES = 256
 /**
  * Expired entries go three ways: a read drops the one it finds; every 16th write drops up to 32
  * expired entries from the least recently used end (where old entries gather; batched, because
- * each look costs an iterator); and a full sweep catches the rest once the writes since the last
+ * each look costs an iterator, and only once the entry the last look stopped at may have expired); and a full sweep catches the rest once the writes since the last
  * one reach 16 times the entries held (at least 65 536), so a sweep, which walks every entry,
  * costs at most one step per 16 writes however large the store.
  */
@@ -66,6 +66,12 @@ export class MemoryStorage implements IdempotencyStorage {
   readonly #tokens = new TokenGenerator()
   /** Stored responses since the last full sweep; every 16th also looks at the oldest entries. */
   #writesSinceSweep = 0
+  /**
+   * When the oldest entries are next worth a look: the expiry of the first one the last look found
+   * unexpired (where that look stopped), or of any entry stored since, whichever is sooner.
+   * Until then a look would stop at once, and its iterator is not made.
+   */
+  #oldestLookAt = 0
 
   /**
    * The store's name in events, logs and errors, whatever a bundler calls the class; a subclass
@@ -155,7 +161,9 @@ export class MemoryStorage implements IdempotencyStorage {
     // Built field by field: a spread of the caller's object costs more, on every first request.
     const stored: StoredResponse = { statusCode: response.statusCode, contentType: response.contentType, headers: response.headers, body }
     if (response.bodyOmitted !== undefined) stored.bodyOmitted = response.bodyOmitted
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response: stored, storedAt: now, expiresAt: now + ttl })
+    const expiresAt = now + ttl
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: stored, storedAt: now, expiresAt })
+    if (expiresAt < this.#oldestLookAt) this.#oldestLookAt = expiresAt
     this.#notify(key)
     if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
     else if (this.#writesSinceSweep % OLDEST_CHECK_EVERY_WRITES === 0) this.#dropOldestExpired(now)
@@ -248,10 +256,19 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   #dropOldestExpired (now: number): void {
+    if (now < this.#oldestLookAt) return
     let expired: string[] | null = null
     let checked = 0
+    this.#oldestLookAt = Number.POSITIVE_INFINITY
     for (const [key, entry] of this.#entries.rentries() as Generator<[string, Entry]>) {
-      if (++checked > OLDEST_CHECKED || entry.expiresAt > now) break
+      if (++checked > OLDEST_CHECKED) {
+        this.#oldestLookAt = now
+        break
+      }
+      if (entry.expiresAt > now) {
+        this.#oldestLookAt = entry.expiresAt
+        break
+      }
       ;(expired ??= []).push(key)
     }
     if (expired !== null) for (const key of expired) this.#entries.delete(key)
