@@ -4,7 +4,9 @@
  * a millisecond), and a stored response is the one given, bodyOmitted included, in an exact-size
  * copy the caller can no longer change.
  */
+import Fastify from 'fastify'
 import { describe, expect, it } from 'vitest'
+import { idempotency } from '../lib/index.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
 import { TOKEN_LENGTH, TokenGenerator, tokenIssuedAt } from '../lib/storage/tokens.js'
 import type { StoredResponse } from '../lib/storage/types.js'
@@ -47,3 +49,38 @@ describe('MemoryStorage.complete', () => {
     expect(response.body.equals(Buffer.alloc(16 * 1024, 1))).toBe(true)
   })
 })
+
+describe('a response kept by the plugin on MemoryStorage', () => {
+  async function replayedAfter (send: (body: Buffer) => unknown, change: (body: Buffer) => void): Promise<{ first: string, replay: string }> {
+    const app = Fastify()
+    const storage = new MemoryStorage()
+    await app.register(idempotency, { storage })
+    // A Buffer of its own memory, as a handler's module-level Buffer may be (not a pool slice).
+    const body = Buffer.allocUnsafeSlow(14)
+    body.write('{"id":"first"}')
+    app.post('/orders', { config: { idempotency: true } }, async (_request, reply) => reply.code(201).type('application/json').send(send(body)))
+    await app.listen({ port: 0, host: '127.0.0.1' })
+    try {
+      const url = `http://127.0.0.1:${(app.server.address() as { port: number }).port}/orders`
+      const post = async () => await (await fetch(url, { method: 'POST', headers: { 'idempotency-key': 'k1', 'content-type': 'application/json' }, body: '{}' })).text()
+      const first = await post()
+      change(body)
+      return { first, replay: await post() }
+    } finally {
+      await app.close()
+    }
+  }
+
+  it('is the handler\'s Buffer as it was sent, whatever the handler does with that Buffer afterwards', async () => {
+    const { first, replay } = await replayedAfter((body) => body, (body) => body.write('{"id":"later"}'))
+    expect(first).toBe('{"id":"first"}')
+    expect(replay).toBe('{"id":"first"}')
+  })
+
+  it('is a text payload\'s bytes, kept without a second copy', async () => {
+    const { first, replay } = await replayedAfter((body) => body.toString(), () => {})
+    expect(replay).toBe(first)
+    expect(replay).toBe('{"id":"first"}')
+  })
+})
+

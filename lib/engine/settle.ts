@@ -40,10 +40,12 @@ export interface Settlement {
  *   kept), unless the route's `storeIf` declines it.
  * - `give-back`: keep nothing and free the key, for `reason`.
  *
- * `statusCode` is the status the client gets, for events.
+ * `statusCode` is the status the client gets, for events. `owned`: the response's body was made
+ * for this store and nothing else holds it, so a store that keeps Buffers as they are may keep it
+ * without a copy of its own.
  */
 export type Ending =
-  | { kind: 'store', statusCode: number, response: StoredResponse }
+  | { kind: 'store', statusCode: number, response: StoredResponse, owned?: boolean }
   | { kind: 'give-back', statusCode: number, reason: NotStoredReason }
 
 const STORED: Settlement = { stored: true, deliverable: true }
@@ -158,7 +160,7 @@ function settleAlone (engine: RouteEngine, state: RequestState, ending: Ending):
   }
   let stored: MaybePromise<boolean>
   try {
-    stored = complete(engine, state, ending.response)
+    stored = complete(engine, state, ending.response, ending.owned === true)
   } catch (error) {
     return completeFailed(engine, state, error)
   }
@@ -183,10 +185,10 @@ function completeFailed ({ reporter }: RouteEngine, state: RequestState, error: 
 }
 
 /** Store `response`, within storeTimeout; a call given up that still succeeds marks the state. */
-function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse): MaybePromise<boolean> {
+function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse, owned = false): MaybePromise<boolean> {
   return door.complete(state.storageKey, state.token, response, (stored) => {
     if (stored) state.storedLate = true
-  })
+  }, owned)
 }
 
 /** First and longest pause between two attempts to store a response. */

@@ -85,6 +85,15 @@ export class StoreDoor {
     return storeNameOf(this.storage)
   }
 
+  /**
+   * Whether the store keeps a response's Buffer as it is given (one in this process's memory,
+   * MemoryStorage), rather than writing its bytes elsewhere: a body of its own memory is then
+   * worth making (http/capture.ts).
+   */
+  get keepsBuffers (): boolean {
+    return this.#sync !== null
+  }
+
   /** Whether the store signals the end of a lease (`waitFor`), so that waiting need not poll. */
   get signals (): boolean {
     return typeof this.storage.waitFor === 'function'
@@ -135,10 +144,11 @@ export class StoreDoor {
 
   /**
    * Store `response` under the lease `token` holds: `false` when the lease was lost. A call given up
-   * on that still goes through tells `late`. At once on a store that answers at once.
+   * on that still goes through tells `late`. At once on a store that answers at once, which keeps
+   * the body as it is when it is `owned` (see Ending).
    */
-  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop): MaybePromise<boolean> {
-    if (this.#sync !== null) return this.#sync.complete(key, token, response, this.#settings.expiration)
+  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop, owned = false): MaybePromise<boolean> {
+    if (this.#sync !== null) return this.#sync.complete(key, token, response, this.#settings.expiration, owned)
     return this.#deadline.run('complete', () => this.storage.complete(key, token, response, this.#settings.expiration), late)
   }
 

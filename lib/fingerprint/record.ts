@@ -27,16 +27,41 @@ const HEAD = `${FINGERPRINT_VERSION}.`
 /** Both heads are two characters long. */
 const PREVIOUS_HEAD = '2.'
 
-const routes = new Map<string, string>()
+/** A route's tag, and the start of its records under each option set it was fingerprinted with. */
+export interface RouteRecords {
+  readonly tag: string
+  /** By the option set's text: everything a record holds before its digest. */
+  readonly heads: Map<string, string>
+}
+
+const routes = new Map<string, RouteRecords>()
+
+/** The records of the route whose URL pattern is `url`. */
+export function routeRecords (url: string): RouteRecords {
+  let records = routes.get(url)
+  if (records === undefined) {
+    records = { tag: hash('sha256', url, 'base64url').slice(0, ROUTE_LENGTH), heads: new Map() }
+    routes.set(url, records)
+  }
+  return records
+}
 
 /** The record's route: a hash of the route's URL pattern (`/orders/:id`), the same in every process. */
 export function routeTag (url: string): string {
-  let tag = routes.get(url)
-  if (tag === undefined) {
-    tag = hash('sha256', url, 'base64url').slice(0, ROUTE_LENGTH)
-    routes.set(url, tag)
+  return routeRecords(url).tag
+}
+
+/**
+ * `fingerprintRecord` for a route's requests: the record's start is made once per route and
+ * option set, so a request adds only its digest to it (one string, not a chain of five).
+ */
+export function routeRecord (records: RouteRecords, settings: FingerprintSettings, digest: string): string {
+  let head = records.heads.get(settings.options)
+  if (head === undefined) {
+    head = fingerprintRecord(records.tag, settings, '')
+    records.heads.set(settings.options, head)
   }
-  return tag
+  return head + digest
 }
 
 /** The record of a digest computed under `settings` by the route whose tag is `route`. */

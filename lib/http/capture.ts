@@ -7,9 +7,19 @@ import type { ReadableStream as WebReadableStream } from 'node:stream/web'
 import type { FastifyReply } from 'fastify'
 import type { StoredResponse } from '../storage/types.js'
 
-/** The payload as bytes, `null` for a stream or anything else that is not already in memory. */
-export function payloadBytes (payload: unknown): Buffer | null {
-  if (typeof payload === 'string') return Buffer.from(payload)
+/**
+ * The payload as bytes, `null` for a stream or anything else that is not already in memory.
+ * `whole`: a string becomes a Buffer of its own (its own memory, exactly its size), which a store
+ * that keeps Buffers as they are (MemoryStorage) keeps without copying it again; otherwise it is
+ * a slice of Node's shared pool, the cheapest to make, for a store that writes the bytes elsewhere.
+ */
+export function payloadBytes (payload: unknown, whole = false): Buffer | null {
+  if (typeof payload === 'string') {
+    if (!whole) return Buffer.from(payload)
+    const bytes = Buffer.allocUnsafeSlow(Buffer.byteLength(payload))
+    bytes.write(payload)
+    return bytes
+  }
   if (Buffer.isBuffer(payload)) return payload
   if (payload === null || payload === undefined) return Buffer.alloc(0)
   return null
@@ -74,15 +84,21 @@ function isResponse (payload: unknown): payload is Response {
   return payload !== null && typeof payload === 'object' && Object.prototype.toString.call(payload) === '[object Response]'
 }
 
+/**
+ * The headers of every response that keeps none (most JSON answers: their content type is kept
+ * apart): one object, frozen, where each would otherwise be one more object a store keeps.
+ */
+const NO_HEADERS: Readonly<Record<string, string | string[]>> = Object.freeze({})
+
 function outcome (statusCode: number, all: HeaderValues, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
-  const headers: Record<string, string | string[]> = {}
+  let headers: Record<string, string | string[]> | null = null
   for (const name in all) {
     const value = all[name]
     if (value === undefined || excludedHeaders.has(name) || isPseudoHeader(name)) continue
-    headers[name] = Array.isArray(value) ? value.map(String) : String(value)
+    ;(headers ??= {})[name] = Array.isArray(value) ? value.map(String) : String(value)
   }
   const contentType = all['content-type']
-  const response: StoredResponse = { statusCode, contentType: contentType === undefined ? null : String(contentType), headers, body: body ?? Buffer.alloc(0) }
+  const response: StoredResponse = { statusCode, contentType: contentType === undefined ? null : String(contentType), headers: headers ?? NO_HEADERS, body: body ?? Buffer.alloc(0) }
   if (body === null) response.bodyOmitted = true
   return response
 }

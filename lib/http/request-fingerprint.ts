@@ -18,7 +18,7 @@ import { BodyNestedTooDeeplyError, FingerprintValueError } from '../fingerprint/
 import { IdempotencyFingerprintError, IdempotencyFingerprintUnsupportedError, type IdempotencyError } from '../errors.js'
 import type { FingerprintVerdict } from '../engine/fingerprint-check.js'
 import { bodyPart, fingerprintDigest, FINGERPRINT_VERSION, rawBodyPart, type ArrivedBody, type BodyPart, type FingerprintSettings } from '../fingerprint/fingerprint.js'
-import { fingerprintRecord, legacyOptionSets, readRecord, routeTag } from '../fingerprint/record.js'
+import { legacyOptionSets, readRecord, routeRecord, routeRecords } from '../fingerprint/record.js'
 import { isStreamBody, unparsedBody, type RawBodyHash } from './raw-body.js'
 
 /**
@@ -63,8 +63,8 @@ export function fingerprintRequest (request: FastifyRequest, url: string, settin
   const part = !settings.body
     ? null
     : rawHash !== undefined ? rawBodyPart(rawHash) : arrived?.part ?? bodyPart(value, request.headers['content-type'], settings)
-  const route = routeTag(url)
-  return new Fingerprinted(fingerprintRecord(route, settings, fingerprintDigest(request, settings, part)), request, route, settings, part, value, rawHash)
+  const records = routeRecords(url)
+  return new Fingerprinted(routeRecord(records, settings, fingerprintDigest(request, settings, part)), request, records.tag, settings, part, value, rawHash)
 }
 
 /** A request's fingerprint, and what it takes to fingerprint the request again under other options. */

@@ -39,9 +39,11 @@ export function settleResponse (reply: FastifyReply, http: HttpRequestState, sen
   if (http.failed || !isStorable(settings, statusCode)) {
     return then(end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes'), payload)
   }
-  const bytes = payloadBytes(payload)
+  // A text payload becomes bytes of the plugin's own making, which nothing else holds.
+  const owned = typeof payload === 'string' && http.route.engine.door.keepsBuffers
+  const bytes = payloadBytes(payload, owned)
   if (bytes !== null) {
-    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes), 'bytes'), payload)
+    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes, owned), 'bytes'), payload)
   }
   if (stream) return captured(reply, http, payload)
   // Anything else (a Response whose body was read already, a locked web stream, an object that
@@ -126,8 +128,8 @@ function streamEnding (http: HttpRequestState, head: StoredResponse, result: Cap
   return unkept(http, head, result.reason === 'unfinished' ? 'interrupted' : 'too-large')
 }
 
-function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): Ending {
-  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body) }
+function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer, owned: boolean): Ending {
+  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body), owned }
 }
 
 /**

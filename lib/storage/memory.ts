@@ -114,7 +114,7 @@ export class MemoryStorage implements IdempotencyStorage {
   /** The request path's steps, answered at once (the engine's own use; see SynchronousSteps). */
   readonly [SYNCHRONOUS_STEPS]: SynchronousSteps = {
     begin: (key, fingerprint, lockTimeout) => this.#begin(key, fingerprint, lockTimeout),
-    complete: (key, token, response, expiration) => this.#complete(key, token, response, expiration),
+    complete: (key, token, response, expiration, owned) => this.#complete(key, token, response, expiration, owned === true),
     release: (key, token) => this.#release(key, token),
     of: MemoryStorage.prototype
   }
@@ -124,7 +124,7 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
-    return this.#complete(key, token, response, expiration)
+    return this.#complete(key, token, response, expiration, false)
   }
 
   async release (key: string, token: string): Promise<boolean> {
@@ -148,16 +148,21 @@ export class MemoryStorage implements IdempotencyStorage {
     return { state: 'acquired', token }
   }
 
-  #complete (key: string, token: string, response: StoredResponse, expiration: number): boolean {
+  #complete (key: string, token: string, response: StoredResponse, expiration: number, owned: boolean): boolean {
     const ttl = duration('MemoryStorage', 'expiration', expiration)
     const now = this.#now()
     const lease = this.#heldLease(key, token, now)
     if (lease === undefined) return false
     this.#leases.delete(key)
-    // An exact-size copy of the body: a small Buffer is usually a slice of Node's shared 8 KiB pool,
-    // and keeping the slice would keep the whole slab alive, unseen by `maxBytes`.
-    const body = Buffer.allocUnsafeSlow(response.body.length)
-    response.body.copy(body)
+    // A copy of the body, exactly its size: the caller may change its Buffer afterwards, and a small
+    // one is usually a slice of Node's shared 8 KiB pool, whose whole slab the slice would keep
+    // alive, unseen by `maxBytes`. A body the engine made for this store, all of its own memory
+    // and held by nothing else, is kept as it is (engine/settle.ts, Ending).
+    let body = response.body
+    if (!owned || body.byteOffset !== 0 || body.byteLength !== body.buffer.byteLength) {
+      body = Buffer.allocUnsafeSlow(response.body.length)
+      response.body.copy(body)
+    }
     // Built field by field: a spread of the caller's object costs more, on every first request.
     const stored: StoredResponse = { statusCode: response.statusCode, contentType: response.contentType, headers: response.headers, body }
     if (response.bodyOmitted !== undefined) stored.bodyOmitted = response.bodyOmitted

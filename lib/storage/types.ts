@@ -68,7 +68,8 @@ export type BeginResult = BeginAcquired | BeginInFlight | BeginCompleted
  */
 export interface SynchronousSteps {
   begin: (key: string, fingerprint: string, lockTimeout: number) => BeginResult
-  complete: (key: string, token: string, response: StoredResponse, expiration: number) => boolean
+  /** `owned`: nothing but the store will hold `response.body`, which it may keep without a copy. */
+  complete: (key: string, token: string, response: StoredResponse, expiration: number, owned?: boolean) => boolean
   release: (key: string, token: string) => boolean
   /**
    * The promised methods these steps stand for. The engine uses the steps only while the store's
