@@ -167,7 +167,8 @@ const JSON_TYPE = /^application\/(?:[\w.+-]+\+)?json\b/i
 
 /** The part `body` (a value some parser made, or the raw bytes' hash) makes under `settings`. */
 export function bodyPart (body: unknown, contentType: string | undefined, settings: FingerprintSettings, legacy = false): BodyPart {
-  const json = contentType !== undefined && JSON_TYPE.test(contentType)
+  // The usual header is compared first: the pattern costs more than the comparison.
+  const json = contentType === 'application/json' || (contentType !== undefined && JSON_TYPE.test(contentType))
   if (body === undefined) return NO_BODY
   // Bytes as received: a text or binary body, or whatever a custom parser left as a Buffer. A
   // JSON string body counts by its value, so it differs from the same text as text/plain.

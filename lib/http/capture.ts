@@ -52,6 +52,7 @@ export function withBody (head: StoredResponse, body: Buffer): StoredResponse {
  * Fastify refuses it. Anything else is returned unchanged.
  */
 export function adoptWebPayload (reply: FastifyReply, payload: unknown): unknown {
+  if (typeof payload !== 'object' || payload === null) return payload
   if (isResponse(payload)) {
     if (payload.body !== null && (payload.bodyUsed || payload.body.locked)) return payload
     reply.code(payload.status)
