@@ -83,4 +83,3 @@ describe('a response kept by the plugin on MemoryStorage', () => {
     expect(replay).toBe('{"id":"first"}')
   })
 })
-
