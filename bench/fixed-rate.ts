@@ -15,9 +15,13 @@
  * (`git worktree add /tmp/before <commit>`, with this checkout's node_modules linked in), run in
  * turn with this one, a few times over.
  */
+import { readFileSync, writeFileSync } from 'node:fs'
+import { cpus, loadavg } from 'node:os'
+import { join } from 'node:path'
 import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
 import { removeRedisKeys, ServerProcess } from './processes.js'
+import { FIXED_RATE_MARKERS, fixedRateSection } from './fixed-rate-report.js'
 import { median } from './report.js'
 import { KEY_HEADER } from './scenarios/common.js'
 import { scenario, type Workload } from './scenarios/index.js'
@@ -30,7 +34,9 @@ const HELP = `usage: npm run bench:rate -- [options]
   --seconds S           measured seconds per run (default 4)
   --rounds N            rounds; each runs every scenario once (default 3)
   --keys N              REPLAY over N stored keys in turn instead of one (default 1)
-  --connections N       (default 50)`
+  --connections N       (default 50)
+  --docs                write the medians into docs/benchmarks.md, under this workload
+                        (the section "Server CPU per request at a fixed rate"; npm run bench keeps it)`
 
 const { values } = parseArgs({
   options: {
@@ -41,6 +47,7 @@ const { values } = parseArgs({
     rounds: { type: 'string', default: '3' },
     keys: { type: 'string', default: '1' },
     connections: { type: 'string', default: '50' },
+    docs: { type: 'boolean', default: false },
     help: { type: 'boolean', default: false }
   }
 })
@@ -96,6 +103,7 @@ async function store (server: ServerProcess, tag: string): Promise<void> {
 }
 
 const figures = new Map<string, Array<{ cpu: number, user: number, system: number }>>()
+const loadAtStart = loadavg()[0]!
 console.log(`${workload} at ${rate} req/s, ${seconds} s per run, ${rounds} rounds, ${connections} connections${keys > 1 ? `, ${keys} keys` : ''}`)
 for (let round = 1; round <= rounds; round++) {
   for (const name of names) {
@@ -128,4 +136,26 @@ if (infos.some((info) => info.store === 'redis')) await removeRedisKeys(`bench:$
 console.log('\n| scenario | server CPU µs per request, median | user | system | rounds |\n|---|---:|---:|---:|---|')
 for (const [name, rows] of figures) {
   console.log(`| ${name} | ${median(rows.map((row) => row.cpu)).toFixed(1)} | ${median(rows.map((row) => row.user)).toFixed(1)} | ${median(rows.map((row) => row.system)).toFixed(1)} | ${rows.map((row) => row.cpu.toFixed(1)).join(', ')} |`)
+}
+
+if (values.docs) {
+  const page = join(import.meta.dirname, '..', 'docs', 'benchmarks.md')
+  const rows = [...figures].map(([name, runs]) => ({
+    label: scenario(name).label,
+    cpu: median(runs.map((row) => row.cpu)),
+    user: median(runs.map((row) => row.user)),
+    system: median(runs.map((row) => row.system)),
+    rounds: runs.map((row) => row.cpu)
+  }))
+  const args = process.argv.slice(2).filter((arg) => arg !== '--docs')
+  const doc = readFileSync(page, 'utf8')
+  writeFileSync(page, fixedRateSection(doc, {
+    workload,
+    rows,
+    conditions: `${new Date().toISOString().slice(0, 10)}; ${cpus()[0]?.model.trim() ?? 'unknown CPU'}, ${cpus().length} cores shared with the load generator and the stores ` +
+      `(1-minute load average ${loadAtStart.toFixed(1)} at the start, ${loadavg()[0]!.toFixed(1)} at the end), Node ${process.version}; ` +
+      `${rate.toLocaleString('en')} req/s offered over ${connections} connections, ${seconds} s measured per run after 2 s, ${rounds} rounds, scenarios in turn; plugin from \`lib/\`; ` +
+      `\`npm run bench:rate -- ${args.join(' ')} --docs\``
+  }))
+  console.log(`wrote the ${workload} figures into docs/benchmarks.md (${FIXED_RATE_MARKERS.start})`)
 }

@@ -4,6 +4,7 @@
  * kept in bench/results/instructions.md, and the section of docs/benchmarks.md, which
  * `npm run bench` keeps when it rewrites the rest of that page.
  */
+import { sectionOf, withSection, type Markers } from './doc-sections.js'
 import type { Workload } from './scenarios/index.js'
 
 export interface InstructionRun {
@@ -241,19 +242,14 @@ export function instructionsSection (results: InstructionResults): string {
   ].join('\n')
 }
 
+export const INSTRUCTIONS_MARKERS: Markers = { start: SECTION_START, end: SECTION_END }
+
 /** `doc` with the section between the markers replaced, or inserted before "## Against the peers" (or at the end). */
 export function spliceSection (doc: string, section: string): string {
-  const start = doc.indexOf(SECTION_START)
-  const end = doc.indexOf(SECTION_END)
-  if (start >= 0 && end > start) return doc.slice(0, start) + section + doc.slice(end + SECTION_END.length)
-  const anchor = doc.indexOf('\n## Against the peers')
-  if (anchor >= 0) return doc.slice(0, anchor + 1) + section + '\n\n' + doc.slice(anchor + 1)
-  return doc.trimEnd() + '\n\n' + section + '\n'
+  return withSection(doc, INSTRUCTIONS_MARKERS, section, ['\n## Against the peers'])
 }
 
 /** The section as it stands in a page (markers included), or null. */
 export function existingSection (doc: string): string | null {
-  const start = doc.indexOf(SECTION_START)
-  const end = doc.indexOf(SECTION_END)
-  return start >= 0 && end > start ? doc.slice(start, end + SECTION_END.length) : null
+  return sectionOf(doc, INSTRUCTIONS_MARKERS)
 }

@@ -22,6 +22,8 @@ import { removeRedisKeys, REPO_ROOT, runMemoryCheck, ServerProcess } from './pro
 import { costChartSvg } from './cost-chart.js'
 import { benchmarksDoc, chartSvg, comparePeers, evaluateBars, latestMarkdown, markdownTable, reportDoc, runIssues, summarize } from './report.js'
 import { formatProfile, summarizeProfile } from './profile.js'
+import { sectionOf, withSection } from './doc-sections.js'
+import { FIXED_RATE_MARKERS } from './fixed-rate-report.js'
 import { existingSection, spliceSection } from './instructions-report.js'
 import type { BenchResults, MachineInfo, RunRecord } from './results-types.js'
 import type { MemoryReport } from './memory.js'
@@ -261,10 +263,16 @@ function writeOutputs (results: BenchResults): void {
   mkdirSync(DOCS_DIR, { recursive: true })
   writeFileSync(join(DOCS_DIR, 'benchmark-chart.svg'), chartSvg(results))
   writeFileSync(join(DOCS_DIR, 'benchmark-cost.svg'), costChartSvg(results))
-  // The section "Instructions per request" is written by `npm run bench:instructions`: kept as it stands.
+  // The sections "Instructions per request" (`npm run bench:instructions`) and "Server CPU per
+  // request at a fixed rate" (`npm run bench:rate -- --docs`) are kept as they stand.
   const page = join(DOCS_DIR, 'benchmarks.md')
-  const instructions = existsSync(page) ? existingSection(readFileSync(page, 'utf8')) : null
-  writeFileSync(page, instructions === null ? benchmarksDoc(results) : spliceSection(benchmarksDoc(results), instructions))
+  const existing = existsSync(page) ? readFileSync(page, 'utf8') : ''
+  let doc = benchmarksDoc(results)
+  const instructions = existingSection(existing)
+  if (instructions !== null) doc = spliceSection(doc, instructions)
+  const fixedRate = sectionOf(existing, FIXED_RATE_MARKERS)
+  if (fixedRate !== null) doc = withSection(doc, FIXED_RATE_MARKERS, fixedRate, ['\n## Against the peers'])
+  writeFileSync(page, doc)
   writeFileSync(join(REPO_ROOT, 'bench', 'REPORT.md'), reportDoc(results, NOTES))
 }
 
