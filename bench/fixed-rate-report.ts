@@ -62,7 +62,7 @@ export function fixedRateSection (doc: string, run: FixedRateRun): string {
     '',
     'Every server gets the same requests at the same pace, well under what the slowest one serves, one server at a time, round after round; ' +
       'what is compared is the server process\'s own CPU time per answer (`process.cpuUsage()`, user and system). ' +
-      'Steadier than throughput at saturation on a shared machine, but it still moves with what else runs on it: read the rounds beside the median.',
+      'Steadier than throughput at saturation, but on a shared virtual machine it still moves with whatever else runs there: one round can cost twice another of the same server, so read the rounds beside the median, and the instruction counts above for a figure that does not move.',
     '',
     ...WORKLOADS.filter((workload) => kept.has(workload)).flatMap((workload) => [kept.get(workload)!, '']),
     FIXED_RATE_MARKERS.end
