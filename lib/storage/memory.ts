@@ -32,9 +32,10 @@ const ENTRY_OVERHEAD_BYTES = 256
 /**
  * Expired entries go three ways: a read drops the one it finds; every 16th write drops up to 32
  * expired entries from the least recently used end (where old entries gather; batched, because
- * each look costs an iterator, and only once the entry the last look stopped at may have expired); and a full sweep catches the rest once the writes since the last
- * one reach 16 times the entries held (at least 65 536), so a sweep, which walks every entry,
- * costs at most one step per 16 writes however large the store.
+ * each look costs an iterator, and only once the entry the last look stopped at may have
+ * expired); and a full sweep catches the rest once the writes since the last one reach 16 times
+ * the entries held (at least 65 536), so a sweep, which walks every entry, costs at most one step
+ * per 16 writes however large the store.
  */
 const SWEEP_MIN_WRITES = 65_536
 const SWEEP_WRITES_PER_ENTRY = 16
