@@ -117,6 +117,11 @@ function tagPart (settings: Omit<FingerprintSettings, 'bodyOnly' | 'options' | '
   return `t${Buffer.byteLength(tag)}:${tag}`
 }
 
+/** A part of text as the stream holds it: its type letter, its byte length, and its bytes. */
+function textPart (type: string, data: string): string {
+  return `${type}${Buffer.byteLength(data)}:${data}`
+}
+
 /**
  * Collects the encoded parts. Text-only requests (the usual JSON body) are hashed in one shot
  * over one string, which costs a fraction of feeding a Hash object part by part; a Buffer body
@@ -133,7 +138,7 @@ class Encoder {
 
   part (type: string, data: string | Buffer): void {
     if (typeof data === 'string') {
-      this.raw(`${type}${Buffer.byteLength(data)}:${data}`)
+      this.raw(textPart(type, data))
       return
     }
     this.buffers ??= [this.text]
@@ -292,7 +297,7 @@ function writeHeader (out: Encoder, value: string | string[] | undefined): void 
 export function fingerprintDigest (request: FastifyRequest, settings: FingerprintSettings, body: BodyPart | null, version: FingerprintVersion = FINGERPRINT_VERSION): string {
   // The default option set, a body of text: its one part hashed as it stands (what Encoder writes).
   if (settings.bodyOnly && version === 3 && body !== null && body !== NO_BODY && typeof body[1] === 'string') {
-    return hash('sha256', `${body[0]}${Buffer.byteLength(body[1])}:${body[1]}`, 'base64url')
+    return hash('sha256', textPart(body[0], body[1]), 'base64url')
   }
   const out = new Encoder()
   if (version !== 3) out.raw(settings.tagParts[version - 1]!)
