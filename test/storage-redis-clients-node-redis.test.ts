@@ -3,11 +3,11 @@
  * `keyPrefix`, each through the client suite (test/helpers/redis-client-suite.ts) on the shared
  * Redis.
  */
-import { afterAll, describe } from 'vitest'
+import { afterAll, describe, expect, it, vi } from 'vitest'
 import { Redis } from 'ioredis'
 import { createClient } from 'redis'
 import { createClient as createClient5 } from 'redis5'
-import type { RedisStorageClient } from '../lib/redis.js'
+import { RedisStorage, type RedisStorageClient } from '../lib/redis.js'
 import { REDIS, service } from './helpers/services.js'
 import { redisClientSuite } from './helpers/redis-client-suite.js'
 
@@ -36,4 +36,34 @@ describe.skipIf(!redis.available)('RedisStorage on node-redis' + redis.reason, (
     close: destroy,
     keyPrefix: KEY_PREFIX
   }, () => reader)
+
+  // node-redis merges each command's own options into the client's with a slow object spread; on
+  // node-redis 6 the driver sets them once on a view of the client instead (node-redis.ts).
+  it('sends commands with no options of their own on node-redis 6, and with them on node-redis 5, with bulk strings as Buffers on both', async () => {
+    for (const [version, create] of [[6, createClient], [5, createClient5]] as const) {
+      const client = await connected(create({ socket }))
+      try {
+        const storage = new RedisStorage({ client: client as unknown as RedisStorageClient, prefix: `${KEY_PREFIX}options:${version}:` })
+        // Where every view of the client finds sendCommand: the class's own (restored below).
+        let owner: object = client
+        while (!Object.hasOwn(owner, 'sendCommand')) owner = Object.getPrototypeOf(owner) as object
+        const send = vi.spyOn(owner as { sendCommand: (...args: unknown[]) => unknown }, 'sendCommand')
+        const key = `k-${version}`
+        const lease = await storage.begin(key, 'f1', 10_000)
+        expect(lease.state).toBe('acquired')
+        const options = send.mock.calls.map((call) => call[1])
+        expect(options.length).toBeGreaterThan(0)
+        for (const sent of options) {
+          if (version === 6) expect(sent).toBeUndefined()
+          else expect(sent).toMatchObject({ timeout: 0, typeMapping: { 36: Buffer } })
+        }
+        await storage.complete(key, (lease as { token: string }).token, { statusCode: 201, contentType: null, headers: {}, body: Buffer.from([0, 255, 1]) }, 10_000)
+        const again = await storage.begin(key, 'f1', 10_000)
+        expect(again.state === 'completed' && [...again.response.body]).toEqual([0, 255, 1])
+      } finally {
+        vi.restoreAllMocks()
+        client.destroy()
+      }
+    }
+  })
 })
