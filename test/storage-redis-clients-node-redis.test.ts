@@ -40,8 +40,8 @@ describe.skipIf(!redis.available)('RedisStorage on node-redis' + redis.reason, (
   // node-redis merges each command's own options into the client's with a slow object spread; on
   // node-redis 6 the driver sets them once on a view of the client instead (node-redis.ts).
   it('sends commands with no options of their own on node-redis 6, and with them on node-redis 5, with bulk strings as Buffers on both', async () => {
-    for (const [version, create] of [[6, createClient], [5, createClient5]] as const) {
-      const client = await connected(create({ socket }))
+    for (const version of [6, 5] as const) {
+      const client: { destroy: () => void } = version === 6 ? await connected(createClient({ socket })) : await connected(createClient5({ socket }))
       try {
         const storage = new RedisStorage({ client: client as unknown as RedisStorageClient, prefix: `${KEY_PREFIX}options:${version}:` })
         // Where every view of the client finds sendCommand: the class's own (restored below).
