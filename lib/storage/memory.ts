@@ -158,9 +158,11 @@ export class MemoryStorage implements IdempotencyStorage {
     // A copy of the body, exactly its size: the caller may change its Buffer afterwards, and a small
     // one is usually a slice of Node's shared 8 KiB pool, whose whole slab the slice would keep
     // alive, unseen by `maxBytes`. A body the engine made for this store, all of its own memory
-    // and held by nothing else, is kept as it is (engine/settle.ts, Ending).
+    // and held by nothing else, is kept as it is (engine/settle.ts, Ending): `owned` is given only
+    // for a body made exactly its size (capture.ts, payloadBytes), so its ArrayBuffer, which costs
+    // an object of its own to look at, is not looked at here.
     let body = response.body
-    if (!owned || body.byteOffset !== 0 || body.byteLength !== body.buffer.byteLength) {
+    if (!owned) {
       body = Buffer.allocUnsafeSlow(response.body.length)
       response.body.copy(body)
     }
