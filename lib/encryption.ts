@@ -91,6 +91,9 @@ export class ResponseCipher {
   readonly #hashedKeys = new LRUCache<string, string>({ max: HASHED_KEYS_KEPT })
   /** The entries opened last, by storage key (see open). */
   readonly #opened = new LRUCache<string, OpenedEntry>({ max: OPENED_ENTRIES_KEPT })
+  /** The meta JSON of a response with no header, by content type (see #metaJson). */
+  readonly #headerlessMeta = new Map<string | null, string>()
+  readonly #associatedData = new AssociatedData()
 
   constructor (options: EncryptionOptions) {
     if (options === null || typeof options !== 'object') throw new TypeError('fastify-idempotency: invalid options: encryption must be an object { keys, keyHashSecret }')
@@ -118,12 +121,10 @@ export class ResponseCipher {
   }
 
   seal (storageKey: string, response: StoredResponse): StoredResponse {
-    const meta: Meta = { c: response.contentType, h: response.headers }
-    if (response.bodyOmitted === true) meta.o = true
-    const plain = plaintext(JSON.stringify(meta), response.bodyOmitted === true ? EMPTY : response.body)
+    const plain = plaintext(this.#metaJson(response), response.bodyOmitted === true ? EMPTY : response.body)
     const iv = this.#ivs.next()
     const cipher = createCipheriv('aes-256-gcm', this.#sealingKey, iv)
-    cipher.setAAD(associatedData(storageKey, response.statusCode))
+    cipher.setAAD(this.#associatedData.of(storageKey, response.statusCode))
     const encrypted = cipher.update(plain)
     cipher.final()
     // Every byte is written below. A small envelope is a slice of Node's shared pool, as
@@ -135,6 +136,26 @@ export class ResponseCipher {
     envelope.set(cipher.getAuthTag(), 1 + KEY_ID_BYTES + IV_BYTES)
     envelope.set(encrypted, HEADER_BYTES)
     return { statusCode: response.statusCode, contentType: SEALED_CONTENT_TYPE, headers: {}, body: envelope }
+  }
+
+  /**
+   * The meta JSON of `response`. Most responses keep no header and have one of a few content
+   * types: their meta is written once per content type and reused (JSON.stringify of the meta
+   * costs about 5k instructions a call).
+   */
+  #metaJson (response: StoredResponse): string {
+    const omitted = response.bodyOmitted === true
+    if (omitted || hasOwnMember(response.headers)) {
+      const meta: Meta = { c: response.contentType, h: response.headers }
+      if (omitted) meta.o = true
+      return JSON.stringify(meta)
+    }
+    let json = this.#headerlessMeta.get(response.contentType)
+    if (json === undefined) {
+      json = JSON.stringify({ c: response.contentType, h: {} } satisfies Meta)
+      if (this.#headerlessMeta.size < HEADERLESS_META_KEPT) this.#headerlessMeta.set(response.contentType, json)
+    }
+    return json
   }
 
   /**
@@ -166,7 +187,7 @@ export class ResponseCipher {
     let plain: Buffer
     try {
       const decipher = createDecipheriv('aes-256-gcm', key, body.subarray(1 + KEY_ID_BYTES, 1 + KEY_ID_BYTES + IV_BYTES))
-      decipher.setAAD(associatedData(storageKey, entry.statusCode))
+      decipher.setAAD(this.#associatedData.of(storageKey, entry.statusCode))
       decipher.setAuthTag(body.subarray(1 + KEY_ID_BYTES + IV_BYTES, HEADER_BYTES))
       plain = decipher.update(body.subarray(HEADER_BYTES))
       // GCM returns nothing more here; final() is what checks the tag.
@@ -284,6 +305,27 @@ function keyId (key: Buffer): Buffer {
   return createHmac('sha256', key).update('fastify-idempotency key id').digest().subarray(0, KEY_ID_BYTES)
 }
 
-function associatedData (storageKey: string, statusCode: number): Buffer {
-  return Buffer.from(`${statusCode}\n${storageKey}`, 'utf16le')
+/**
+ * The associated data that binds an envelope to its storage key and status: `status \n key` as
+ * UTF-16LE. Written into one scratch buffer, reused: the cipher reads it in setAAD and keeps
+ * nothing of it.
+ */
+class AssociatedData {
+  static readonly #SCRATCH = 2048
+  readonly #scratch = Buffer.allocUnsafeSlow(AssociatedData.#SCRATCH)
+
+  of (storageKey: string, statusCode: number): Buffer {
+    const text = `${statusCode}\n${storageKey}`
+    if (text.length * 2 > AssociatedData.#SCRATCH) return Buffer.from(text, 'utf16le')
+    return this.#scratch.subarray(0, this.#scratch.write(text, 'utf16le'))
+  }
+}
+
+/** Most content types whose headerless meta JSON is kept (a handful in any app). */
+const HEADERLESS_META_KEPT = 64
+
+/** Whether `object` has an own enumerable member, without making a list of them. */
+function hasOwnMember (object: object): boolean {
+  for (const name in object) if (Object.hasOwn(object, name)) return true
+  return false
 }

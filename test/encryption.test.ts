@@ -254,6 +254,26 @@ describe('ResponseCipher', () => {
     expect(cipher.open('k', cipher.seal('k', { ...response, body: Buffer.alloc(0) })).bodyOmitted).toBeUndefined()
   })
 
+  it('opens every response to exactly what was sealed, whatever came before it: content types, headers or none, an omitted body, storage keys long and short', () => {
+    const fresh = new ResponseCipher({ keys: [KEY_1], keyHashSecret: HASH_SECRET })
+    const longKey = 'k'.repeat(3000)
+    const responses: StoredResponse[] = [
+      { statusCode: 201, contentType: 'application/json', headers: {}, body: Buffer.from('{"a":1}') },
+      { statusCode: 201, contentType: 'text/plain', headers: {}, body: Buffer.from('plain') },
+      { statusCode: 200, contentType: null, headers: {}, body: Buffer.from([0, 1, 2]) },
+      { statusCode: 201, contentType: 'application/json', headers: { location: '/x' }, body: Buffer.from('{"b":2}') },
+      { statusCode: 202, contentType: 'application/json', headers: {}, body: Buffer.alloc(0), bodyOmitted: true },
+      { statusCode: 201, contentType: 'application/json', headers: Object.create({ inherited: 'not kept' }) as Record<string, string>, body: Buffer.from('{"c":3}') }
+    ]
+    const sealed = responses.flatMap((response, index) => [[`key-${index}`, response, fresh.seal(`key-${index}`, response)], [longKey + index, response, fresh.seal(longKey + index, response)]] as const)
+    const other = new ResponseCipher({ keys: [KEY_1], keyHashSecret: HASH_SECRET })
+    for (const [key, response, envelope] of sealed) {
+      const opened = other.open(key, envelope)
+      expect({ ...opened, headers: { ...opened.headers } }).toEqual({ ...response, headers: { ...response.headers } })
+      expect(() => other.open(key === longKey + '0' ? longKey + '1' : longKey + '0', envelope)).toThrow(/altered, or moved/)
+    }
+  })
+
   it('refuses keys that are not 32 bytes, and a short hash secret, at start-up', async () => {
     expect(() => new ResponseCipher({ keys: [randomBytes(16)], keyHashSecret: HASH_SECRET })).toThrow(/keys\[0\] must be 32 bytes/)
     expect(() => new ResponseCipher({ keys: [], keyHashSecret: HASH_SECRET })).toThrow(/non-empty array/)
