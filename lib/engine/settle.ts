@@ -40,12 +40,13 @@ export interface Settlement {
  *   kept), unless the route's `storeIf` declines it.
  * - `give-back`: keep nothing and free the key, for `reason`.
  *
- * `statusCode` is the status the client gets, for events. `owned`: the response's body was made
- * for this store and nothing else holds it, so a store that keeps Buffers as they are may keep it
- * without a copy of its own.
+ * `statusCode` is the status the client gets, for events. `text`: the body is this string, as the
+ * handler sent it, and `response.body` is left empty. The adapter gives one only when nothing on
+ * the way reads the body (no `storeIf`, `redact`, encryption or transaction) and the store keeps
+ * text (StoreDoor.keepsText): a first request then makes no Buffer of its body.
  */
 export type Ending =
-  | { kind: 'store', statusCode: number, response: StoredResponse, owned?: boolean }
+  | { kind: 'store', statusCode: number, response: StoredResponse, text?: string }
   | { kind: 'give-back', statusCode: number, reason: NotStoredReason }
 
 const STORED: Settlement = { stored: true, deliverable: true }
@@ -162,7 +163,7 @@ function settleAlone (engine: RouteEngine, state: RequestState, ending: Ending):
   }
   let stored: MaybePromise<boolean>
   try {
-    stored = complete(engine, state, ending.response, ending.owned === true)
+    stored = complete(engine, state, ending.response, ending.text)
   } catch (error) {
     return completeFailed(engine, state, error)
   }
@@ -187,10 +188,10 @@ function completeFailed ({ reporter }: RouteEngine, state: RequestState, error: 
 }
 
 /** Store `response`, within storeTimeout; a call given up that still succeeds marks the state. */
-function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse, owned = false): MaybePromise<boolean> {
+function complete ({ door }: RouteEngine, state: RequestState, response: StoredResponse, text?: string): MaybePromise<boolean> {
   return door.complete(state.storageKey, state.token, response, (stored) => {
     if (stored) state.storedLate = true
-  }, owned)
+  }, text)
 }
 
 /** First and longest pause between two attempts to store a response. */
@@ -204,7 +205,7 @@ const LAST_STORE_RETRY_MS = 2000
  * loudly, in the log and on the diagnostics channels). Closing the app waits for it up to
  * `closeTimeout`; past that it gives up, as the store is about to be closed.
  */
-async function keepStoring (engine: RouteEngine, state: RequestState, { statusCode, response }: Extract<Ending, { kind: 'store' }>, kept: StoredResponse): Promise<void> {
+async function keepStoring (engine: RouteEngine, state: RequestState, { statusCode, response, text }: Extract<Ending, { kind: 'store' }>, kept: StoredResponse): Promise<void> {
   const { settings, reporter, renewal, inFlight } = engine
   // From the last renewal sent, not from now: the failed attempt took time the lease did not wait for.
   renewal.hold(state, state.renewedAt)
@@ -221,7 +222,7 @@ async function keepStoring (engine: RouteEngine, state: RequestState, { statusCo
     try {
       // An attempt given up on may have gone through after all: the lease is then gone because
       // the response is stored, not because it was lost.
-      if (state.storedLate || await complete(engine, state, response) || state.storedLate) {
+      if (state.storedLate || await complete(engine, state, response, text) || state.storedLate) {
         settlement = STORED
       } else {
         reporter.report(state, 'lease-lost', { phase: 'complete' }, 'warn', 'idempotency lease was lost before the response could be stored: this response was not stored')

@@ -86,11 +86,11 @@ export class StoreDoor {
   }
 
   /**
-   * Whether the store keeps a response's Buffer as it is given (one in this process's memory,
-   * MemoryStorage), rather than writing its bytes elsewhere: a body of its own memory is then
-   * worth making (http/capture.ts).
+   * Whether the store keeps what it is given in this process's memory (MemoryStorage), rather than
+   * writing its bytes elsewhere: it then takes a body sent as a string as that string (`complete`'s
+   * `text`), and no Buffer of it is made unless a replay needs one.
    */
-  get keepsBuffers (): boolean {
+  get keepsText (): boolean {
     return this.#sync !== null
   }
 
@@ -144,11 +144,11 @@ export class StoreDoor {
 
   /**
    * Store `response` under the lease `token` holds: `false` when the lease was lost. A call given up
-   * on that still goes through tells `late`. At once on a store that answers at once, which keeps
-   * the body as it is when it is `owned` (see Ending).
+   * on that still goes through tells `late`. At once on a store that answers at once, which is the
+   * only one given a `text` body (see Ending and `keepsText`).
    */
-  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop, owned = false): MaybePromise<boolean> {
-    if (this.#sync !== null) return this.#sync.complete(key, token, response, this.#settings.expiration, owned)
+  complete (key: string, token: string, response: StoredResponse, late: (stored: boolean) => void = noop, text?: string): MaybePromise<boolean> {
+    if (this.#sync !== null) return this.#sync.complete(key, token, response, this.#settings.expiration, text)
     return this.#deadline.run('complete', () => this.storage.complete(key, token, response, this.#settings.expiration), late)
   }
 

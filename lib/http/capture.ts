@@ -8,18 +8,13 @@ import type { FastifyReply } from 'fastify'
 import type { StoredResponse } from '../storage/types.js'
 
 /**
- * The payload as bytes, `null` for a stream or anything else that is not already in memory.
- * `whole`: a string becomes a Buffer of its own (its own memory, exactly its size), which a store
- * that keeps Buffers as they are (MemoryStorage) keeps without copying it again; otherwise it is
- * a slice of Node's shared pool, the cheapest to make, for a store that writes the bytes elsewhere.
+ * The payload as bytes, `null` for a stream or anything else that is not already in memory. A
+ * string becomes a slice of Node's shared pool, the cheapest Buffer to make: a store copies what
+ * it keeps (MemoryStorage copies it to memory of its own, a slice would keep the pool's whole
+ * slab alive).
  */
-export function payloadBytes (payload: unknown, whole = false): Buffer | null {
-  if (typeof payload === 'string') {
-    if (!whole) return Buffer.from(payload)
-    const bytes = Buffer.allocUnsafeSlow(Buffer.byteLength(payload))
-    bytes.write(payload)
-    return bytes
-  }
+export function payloadBytes (payload: unknown): Buffer | null {
+  if (typeof payload === 'string') return Buffer.from(payload)
   if (Buffer.isBuffer(payload)) return payload
   if (payload === null || payload === undefined) return Buffer.alloc(0)
   return null
@@ -38,6 +33,9 @@ type HeaderValues = Record<string, number | string | string[] | undefined>
 export function snapshotResponse (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
   return outcome(reply.statusCode, reply.getHeaders(), excludedHeaders, body)
 }
+
+/** The body of a response whose body is kept as text (Ending's `text`): empty, one for all. */
+export const TEXT_BODY: Buffer = Buffer.alloc(0)
 
 /** An outcome taken with `snapshotResponse(..., null)`, now with its whole body. */
 export function withBody (head: StoredResponse, body: Buffer): StoredResponse {

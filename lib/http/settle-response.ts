@@ -12,7 +12,7 @@ import { settle, type Ending, type Settlement } from '../engine/settle.js'
 import { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
-import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, withBody, type Captured } from './capture.js'
+import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, TEXT_BODY, withBody, type Captured } from './capture.js'
 import type { HttpRequestState } from './request-context.js'
 
 const NOT_MODIFIED = 304
@@ -39,11 +39,12 @@ export function settleResponse (reply: FastifyReply, http: HttpRequestState, sen
   if (http.failed || !isStorable(settings, statusCode)) {
     return then(end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes'), payload)
   }
-  // A text payload becomes bytes of the plugin's own making, which nothing else holds.
-  const owned = typeof payload === 'string' && http.route.engine.door.keepsBuffers
-  const bytes = payloadBytes(payload, owned)
+  if (typeof payload === 'string' && keepsAsText(http)) {
+    return then(end(reply, http, fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload) : unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large'), 'bytes'), payload)
+  }
+  const bytes = payloadBytes(payload)
   if (bytes !== null) {
-    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes, owned), 'bytes'), payload)
+    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes), 'bytes'), payload)
   }
   if (stream) return captured(reply, http, payload)
   // Anything else (a Response whose body was read already, a locked web stream, an object that
@@ -128,8 +129,31 @@ function streamEnding (http: HttpRequestState, head: StoredResponse, result: Cap
   return unkept(http, head, result.reason === 'unfinished' ? 'interrupted' : 'too-large')
 }
 
-function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer, owned: boolean): Ending {
-  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body), owned }
+function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): Ending {
+  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body) }
+}
+
+/**
+ * Whether a text payload goes to the store as the string it is (Ending's `text`): the store keeps
+ * text (MemoryStorage), and nothing on the way reads the body: no `storeIf` or `redact` (they are
+ * given the response with its bytes), no encryption (it seals the bytes), no transaction.
+ */
+function keepsAsText (http: HttpRequestState): boolean {
+  const { door } = http.route.engine
+  return door.keepsText && door.cipher === null && http.storeIf === null && http.redact === null && http.state.transaction === null
+}
+
+/**
+ * Whether `text` is at most `limit` bytes once encoded: UTF-8 takes at least one byte per UTF-16
+ * unit and at most three, so only a length between the two is encoded to be measured.
+ */
+function fitsAsText (text: string, limit: number): boolean {
+  if (text.length > limit) return false
+  return text.length * 3 <= limit || Buffer.byteLength(text) <= limit
+}
+
+function storedText (reply: FastifyReply, http: HttpRequestState, text: string): Ending {
+  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, TEXT_BODY), text }
 }
 
 /**

@@ -22,7 +22,14 @@ interface Lease {
 
 interface Entry {
   fingerprint: string
+  /** The stored response; its body is empty while the body is kept as `text`. */
   response: StoredResponse
+  /**
+   * The body as the string the handler sent, until the entry is first read (`responseOf`), which
+   * makes its bytes: a first request makes no Buffer (SynchronousSteps' `text`). `null` once
+   * made, or for a body given as bytes.
+   */
+  text: string | null
   storedAt: number
   expiresAt: number
 }
@@ -42,8 +49,24 @@ const SWEEP_WRITES_PER_ENTRY = 16
 const OLDEST_CHECK_EVERY_WRITES = 16
 const OLDEST_CHECKED = 32
 
+/**
+ * An entry's response, its body made from its text when it is first read: exactly its size, in
+ * memory of its own (a slice of Node's pool would keep the pool's slab alive), and kept.
+ */
+function responseOf (entry: Entry): StoredResponse {
+  const { text } = entry
+  if (text !== null) {
+    const body = Buffer.allocUnsafeSlow(Buffer.byteLength(text))
+    body.write(text)
+    entry.response.body = body
+    entry.text = null
+  }
+  return entry.response
+}
+
 function entrySize (key: string, entry: Entry): number {
-  let size = ENTRY_OVERHEAD_BYTES + key.length + entry.fingerprint.length + entry.response.body.length
+  // A body kept as text counts its length in UTF-16 units: its bytes for ASCII, fewer otherwise.
+  let size = ENTRY_OVERHEAD_BYTES + key.length + entry.fingerprint.length + (entry.text === null ? entry.response.body.length : entry.text.length)
   for (const name in entry.response.headers) {
     const value = entry.response.headers[name]!
     size += name.length + (Array.isArray(value) ? value.join('').length : value.length)
@@ -115,7 +138,7 @@ export class MemoryStorage implements IdempotencyStorage {
   /** The request path's steps, answered at once (the engine's own use; see SynchronousSteps). */
   readonly [SYNCHRONOUS_STEPS]: SynchronousSteps = {
     begin: (key, fingerprint, lockTimeout) => this.#begin(key, fingerprint, lockTimeout),
-    complete: (key, token, response, expiration, owned) => this.#complete(key, token, response, expiration, owned === true),
+    complete: (key, token, response, expiration, text) => this.#complete(key, token, response, expiration, text),
     release: (key, token) => this.#release(key, token),
     of: MemoryStorage.prototype
   }
@@ -125,7 +148,7 @@ export class MemoryStorage implements IdempotencyStorage {
   }
 
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
-    return this.#complete(key, token, response, expiration, false)
+    return this.#complete(key, token, response, expiration, undefined)
   }
 
   async release (key: string, token: string): Promise<boolean> {
@@ -137,7 +160,7 @@ export class MemoryStorage implements IdempotencyStorage {
     const now = this.#now()
     const entry = this.#entries.get(key)
     if (entry !== undefined) {
-      if (entry.expiresAt > now) return { state: 'completed', fingerprint: entry.fingerprint, response: entry.response }
+      if (entry.expiresAt > now) return { state: 'completed', fingerprint: entry.fingerprint, response: responseOf(entry) }
       this.#entries.delete(key)
     }
     const lease = this.#leases.get(key)
@@ -149,20 +172,17 @@ export class MemoryStorage implements IdempotencyStorage {
     return { state: 'acquired', token }
   }
 
-  #complete (key: string, token: string, response: StoredResponse, expiration: number, owned: boolean): boolean {
+  #complete (key: string, token: string, response: StoredResponse, expiration: number, text: string | undefined): boolean {
     const ttl = duration('MemoryStorage', 'expiration', expiration)
     const now = this.#now()
     const lease = this.#heldLease(key, token, now)
     if (lease === undefined) return false
     this.#leases.delete(key)
-    // A copy of the body, exactly its size: the caller may change its Buffer afterwards, and a small
-    // one is usually a slice of Node's shared 8 KiB pool, whose whole slab the slice would keep
-    // alive, unseen by `maxBytes`. A body the engine made for this store, all of its own memory
-    // and held by nothing else, is kept as it is (engine/settle.ts, Ending): `owned` is given only
-    // for a body made exactly its size (capture.ts, payloadBytes), so its ArrayBuffer, which costs
-    // an object of its own to look at, is not looked at here.
+    // A body given as bytes is copied, exactly its size: the caller may change its Buffer
+    // afterwards, and a small one is usually a slice of Node's shared 8 KiB pool, whose whole slab
+    // the slice would keep alive, unseen by `maxBytes`. A body given as text is kept as the string.
     let body = response.body
-    if (!owned) {
+    if (text === undefined) {
       body = Buffer.allocUnsafeSlow(response.body.length)
       response.body.copy(body)
     }
@@ -170,7 +190,7 @@ export class MemoryStorage implements IdempotencyStorage {
     const stored: StoredResponse = { statusCode: response.statusCode, contentType: response.contentType, headers: response.headers, body }
     if (response.bodyOmitted !== undefined) stored.bodyOmitted = response.bodyOmitted
     const expiresAt = now + ttl
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response: stored, storedAt: now, expiresAt })
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: stored, text: text ?? null, storedAt: now, expiresAt })
     if (expiresAt < this.#oldestLookAt) this.#oldestLookAt = expiresAt
     this.#notify(key)
     if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
@@ -206,7 +226,7 @@ export class MemoryStorage implements IdempotencyStorage {
     // `peek`: looking does not make an entry recently used.
     const entry = this.#entries.peek(key)
     if (entry !== undefined && entry.expiresAt > now) {
-      return { state: 'completed', fingerprint: entry.fingerprint, response: entry.response, storedAt: entry.storedAt, expiresAt: entry.expiresAt }
+      return { state: 'completed', fingerprint: entry.fingerprint, response: responseOf(entry), storedAt: entry.storedAt, expiresAt: entry.expiresAt }
     }
     const lease = this.#leases.get(key)
     if (lease !== undefined && lease.expiresAt > now) {

@@ -68,8 +68,12 @@ export type BeginResult = BeginAcquired | BeginInFlight | BeginCompleted
  */
 export interface SynchronousSteps {
   begin: (key: string, fingerprint: string, lockTimeout: number) => BeginResult
-  /** `owned`: nothing but the store will hold `response.body`, which it may keep without a copy. */
-  complete: (key: string, token: string, response: StoredResponse, expiration: number, owned?: boolean) => boolean
+  /**
+   * `text`: the body is this string, as the handler sent it, and `response.body` is left empty:
+   * the store keeps the string, and makes its bytes when the entry is first read (a first request
+   * then makes no Buffer; see engine/settle.ts, Ending).
+   */
+  complete: (key: string, token: string, response: StoredResponse, expiration: number, text?: string) => boolean
   release: (key: string, token: string) => boolean
   /**
    * The promised methods these steps stand for. The engine uses the steps only while the store's
