@@ -55,7 +55,8 @@ export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTION
  */
 export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods: boolean, inFlight: InFlight): RouteHooks {
   const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher, inFlight)
-  const route: GuardedRoute = { engine, plugin, settings, url, credentialsWarned: settings.scope !== null }
+  const textBodies = engine.door.keepsText && engine.door.cipher === null && settings.storeIf === null && settings.redact === null
+  const route: GuardedRoute = { engine, plugin, settings, url, credentialsWarned: settings.scope !== null, textBodies }
   return {
     onRequest: onRequestHook(route, safeMethods),
     preValidation: preValidationHook(route),

@@ -47,6 +47,12 @@ export interface GuardedRoute {
   readonly url: string
   /** Warned once: a signed-in client's request on a route whose keys are shared by everyone. */
   credentialsWarned: boolean
+  /**
+   * A body sent as a string goes to the store as that string (Ending's `text`): the store keeps
+   * text (StoreDoor.keepsText), and nothing on the way reads the bytes (no `storeIf` or `redact`,
+   * which are given the response with its bytes; no encryption, which seals the bytes).
+   */
+  readonly textBodies: boolean
 }
 
 /** `request.idempotency`: one per request with a key. */

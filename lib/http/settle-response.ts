@@ -39,12 +39,13 @@ export function settleResponse (reply: FastifyReply, http: HttpRequestState, sen
   if (http.failed || !isStorable(settings, statusCode)) {
     return then(end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes'), payload)
   }
-  if (typeof payload === 'string' && keepsAsText(http)) {
-    return then(end(reply, http, fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload) : unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large'), 'bytes'), payload)
+  // In a transaction the bytes are written with the handler's writes: a text body is text only outside one.
+  if (typeof payload === 'string' && http.route.textBodies && http.state.transaction === null) {
+    return then(end(reply, http, fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload) : tooLarge(reply, http), 'bytes'), payload)
   }
   const bytes = payloadBytes(payload)
   if (bytes !== null) {
-    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large') : stored(reply, http, bytes), 'bytes'), payload)
+    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? tooLarge(reply, http) : stored(reply, http, bytes), 'bytes'), payload)
   }
   if (stream) return captured(reply, http, payload)
   // Anything else (a Response whose body was read already, a locked web stream, an object that
@@ -133,14 +134,9 @@ function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): End
   return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body) }
 }
 
-/**
- * Whether a text payload goes to the store as the string it is (Ending's `text`): the store keeps
- * text (MemoryStorage), and nothing on the way reads the body: no `storeIf` or `redact` (they are
- * given the response with its bytes), no encryption (it seals the bytes), no transaction.
- */
-function keepsAsText (http: HttpRequestState): boolean {
-  const { door } = http.route.engine
-  return door.keepsText && door.cipher === null && http.storeIf === null && http.redact === null && http.state.transaction === null
+/** A body larger than `maxResponseBytes`: its outcome is kept without it, or the key freed. */
+function tooLarge (reply: FastifyReply, http: HttpRequestState): Ending {
+  return unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large')
 }
 
 /**

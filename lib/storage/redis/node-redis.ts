@@ -88,8 +88,9 @@ export class NodeRedisDriver implements RedisDriver {
     this.#client = isCluster ? null : client as NodeRedisClient
     const viewed = readsViewOptions(client.sendCommand)
     this.#perCommand = viewed ? undefined : COMMAND_OPTIONS
-    this.#clusterSender = this.#cluster === null || !viewed ? this.#cluster : this.#cluster.withCommandOptions(COMMAND_OPTIONS)
-    this.#sender = this.#client === null || !viewed ? this.#client : this.#client.withCommandOptions(COMMAND_OPTIONS)
+    const sender = viewed ? client.withCommandOptions(COMMAND_OPTIONS) : client
+    this.#sender = isCluster ? null : sender as NodeRedisClient
+    this.#clusterSender = isCluster ? sender as NodeRedisCluster : null
     this.cluster = isCluster
     this.family = isCluster ? 'node-redis cluster' : 'node-redis'
     this.keyPrefix = keyPrefix
