@@ -99,5 +99,5 @@ function giveUp (error: IdempotencyError): RetryDecision | null {
  * (the store's), so coming back right at it may find it held still, and cost another return.
  */
 function afterLeaseEnds (leaseEndsInMs: number): number {
-  return leaseEndsInMs + Math.min(1000, Math.max(25, Math.round(leaseEndsInMs / 16)))
+  return leaseEndsInMs + Math.min(1000, Math.max(100, Math.round(leaseEndsInMs / 16)))
 }
