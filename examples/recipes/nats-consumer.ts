@@ -51,15 +51,17 @@ export async function consumeOnce<T> (consumer: Consumer, idempotency: Idempoten
     }
     for (;;) {
       try {
-        await idempotency.run(key, body, async (context) => await work(body, context), { scope: `nats:${stream}:${name}` })
+        // A delivery while another's work runs waits for it (wait: true) and gets its result.
+        await idempotency.run(key, body, async (context) => await work(body, context), { scope: `nats:${stream}:${name}`, wait: true })
         message.ack()
         return
       } catch (error) {
         const decision = retryDecision(error)
         switch (decision.kind) {
           case 'retry':
-            // Another delivery's work holds the key (done by then, or its holder died and its lease
-            // lapsed), or the store is down: wait here, which spends none of max_deliver.
+            // Another delivery's work still holds the key after waitTimeout (done by then, or its
+            // holder died and its lease lapsed), or the store is down: wait here, in hand, which
+            // spends none of max_deliver.
             await sleep(decision.delayMs)
             continue
           case 'done':

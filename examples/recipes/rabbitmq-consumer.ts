@@ -43,8 +43,9 @@ export async function consumeOnce<T> (channel: Channel, queue: string, idempoten
     }
     for (;;) {
       try {
-        // A message without a messageId is refused as a key that cannot be used (give-up).
-        const result = await idempotency.run(messageId as string, body, async (context) => await work(body, context), { scope: `amqp:${queue}` })
+        // A message without a messageId is refused as a key that cannot be used (give-up). A
+        // duplicate waits for the delivery whose work runs (wait: true) and gets its result.
+        const result = await idempotency.run(messageId as string, body, async (context) => await work(body, context), { scope: `amqp:${queue}`, wait: true })
         if (replyTo !== undefined) channel.sendToQueue(replyTo, Buffer.from(JSON.stringify(result ?? null)), { correlationId })
         settle(() => { channel.ack(message) })
         return
@@ -52,9 +53,10 @@ export async function consumeOnce<T> (channel: Channel, queue: string, idempoten
         const decision = retryDecision(error)
         switch (decision.kind) {
           case 'retry':
-            // Another delivery's work holds the key (done by then, or its holder died and its lease
-            // lapsed), or the store is down. The message waits here, unacked: that spends none of
-            // its deliveries, and if this process dies the broker hands it on.
+            // Another delivery's work still holds the key after waitTimeout (done by then, or its
+            // holder died and its lease lapsed), or the store is down. The message waits here,
+            // unacked: that spends none of its deliveries, and if this process dies the broker
+            // hands it on.
             await sleep(decision.delayMs)
             continue
           case 'done':
