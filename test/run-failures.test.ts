@@ -188,6 +188,25 @@ for (const store of cases) {
       expect((decision as { error: plugin.IdempotencyLeaseLostError }).error.reason).toBe('store-error')
     })
 
+    it.skipIf(store.name !== 'postgres')('in transaction mode, writes rolled back with the result at COMMIT (a deferred foreign key): the attempt\'s failure, not a store to wait for', async () => {
+      const knex = store.knex!()
+      const table = `run_deferred_${process.pid}_${Date.now()}`
+      await knex.raw(`CREATE TABLE ${table}_parent (id int PRIMARY KEY)`)
+      await knex.raw(`CREATE TABLE ${table} (parent int REFERENCES ${table}_parent (id) DEFERRABLE INITIALLY DEFERRED)`)
+      try {
+        const idem = open({ transaction: true })
+        const decision = await decisionOf(idem.run(newKey('deferred'), {}, async (context) => {
+          await (context.transaction as typeof knex)(table).insert({ parent: 404 })
+          return 'written'
+        }))
+        expect(decision).toMatchObject({ kind: 'failed' })
+        expect((decision as { error: unknown }).error).toBeInstanceOf(standalone.IdempotencyStoreUnavailableError)
+        expect(await knex(table).count({ n: '*' })).toEqual([{ n: '0' }])
+      } finally {
+        await knex.raw(`DROP TABLE ${table}, ${table}_parent`)
+      }
+    })
+
     it('closing: release, for another consumer; the work does not run', async () => {
       const idem = createIdempotency({ storage, logger: silent })
       await idem.close()
@@ -201,6 +220,8 @@ for (const store of cases) {
       let runs = 0
       // @ts-expect-error: a misspelt option
       await expect(idem.run(newKey('typo'), {}, async () => ++runs, { scoop: 'billing' })).rejects.toThrow('unknown option "scoop"')
+      // @ts-expect-error: two of them
+      await expect(idem.run(newKey('typo'), {}, async () => ++runs, { scoop: 'billing', lockTimout: 10 })).rejects.toThrow('unknown options "scoop", "lockTimout"')
       // @ts-expect-error: not an object
       await expect(idem.run(newKey('typo'), {}, async () => ++runs, 'billing')).rejects.toThrow('options must be an object')
       // @ts-expect-error: not a boolean
@@ -224,6 +245,38 @@ describe('retryDecision of what run() throws, beyond one store', () => {
       await idem.close()
       await knex.destroy()
     }
+  })
+
+  it('with failOpen, the work run without protection: what it throws is still its own failure', async () => {
+    const knexFactory = (await import('knex')).default
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, port: 1 }, pool: { min: 0, max: 1 }, acquireConnectionTimeout: 2000 })
+    const idem = createIdempotency({ storage: new KnexStorage({ knex, tableName: 'nowhere' }), logger: silent, failOpen: true })
+    try {
+      const decision = await decisionOf(idem.run(newKey('open'), {}, async () => { throw new standalone.IdempotencyKeyInvalidError('the work\'s own') }))
+      expect(decision.kind).toBe('failed')
+    } finally {
+      await idem.close()
+      await knex.destroy()
+    }
+  })
+
+  it('the holder\'s lease end, read on a clock that disagrees with the store\'s: never more than lockTimeout, and an eighth of it when it looks past', async () => {
+    const leaseEnd = async (skewMs: number): Promise<number> => {
+      const storage = new MemoryStorage({ now: () => Date.now() + skewMs })
+      const idem = createIdempotency({ storage, logger: silent, lockTimeout: 8000 })
+      const gate = new Gate()
+      const first = idem.run('skewed', {}, async () => { await gate.hold(); return 1 })
+      await gate.entered
+      const decision = await decisionOf(idem.run('skewed', {}, async () => 2))
+      gate.open()
+      await first
+      await idem.close()
+      return ((decision as { error: plugin.IdempotencyRequestInProgressError }).error).leaseEndsInMs
+    }
+    // The store's clock 30 s ahead: its lease end looks 38 s away.
+    expect(await leaseEnd(30_000)).toBe(8000)
+    // 30 s behind: it looks past already, while the store still holds it.
+    expect(await leaseEnd(-30_000)).toBe(1000)
   })
 
   it('what is stored under the key cannot be read (sealed with a key no longer configured): give up', async () => {
