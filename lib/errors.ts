@@ -271,7 +271,7 @@ export class IdempotencyLeaseLostError extends IdempotencyError {
   readonly reason: string
 
   constructor (idempotencyKey: string, reason: string) {
-    super(`The function ran, but its lease ended before its result was kept (${reason}); a later call with this key may run it again.`, 500, idempotencyKey)
+    super(`The function ran, but its lease ended before its result was kept (${reason}); a later call with this key may run it again.`, 500, idempotencyKey, { ...DO_NOT_RETRY })
     this.reason = reason
   }
 }
