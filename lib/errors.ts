@@ -151,12 +151,24 @@ export class IdempotencyRequestInProgressError extends IdempotencyError {
   /** Milliseconds after which a retry is likely to find the response (also sent as `Retry-After-Ms`): what a broker's delayed redelivery takes. */
   readonly retryAfterMs: number
 
-  /** `retryAfterSeconds` may be fractional: `Retry-After-Ms` carries it to the millisecond. */
-  constructor (idempotencyKey: string, retryAfterSeconds: number) {
+  /**
+   * Milliseconds until the running request's lease ends unless its holder renews it (at most
+   * `lockTimeout`): a holder that died has let the key go by then, and a live one has renewed it.
+   * A job that must not spend a broker's deliveries waiting comes back after this, not after
+   * `retryAfterMs` (see `retryDecision`).
+   */
+  readonly leaseEndsInMs: number
+
+  /**
+   * `retryAfterSeconds` may be fractional: `Retry-After-Ms` carries it to the millisecond.
+   * `leaseEndsInMs`: when the holder's lease ends unless renewed (default: the retry's time).
+   */
+  constructor (idempotencyKey: string, retryAfterSeconds: number, leaseEndsInMs?: number) {
     const headers = retryAfterHeaders(retryAfterSeconds)
     super('A request with this Idempotency-Key is still being processed; retry after it completes.', 409, idempotencyKey, headers)
     this.retryAfter = Number(headers['retry-after'])
     this.retryAfterMs = Number(headers['retry-after-ms'])
+    this.leaseEndsInMs = Math.max(0, Math.round(leaseEndsInMs ?? this.retryAfterMs))
   }
 }
 shareIdentity(IdempotencyRequestInProgressError, 'IdempotencyRequestInProgressError')
@@ -244,6 +256,26 @@ export class IdempotencyResultNotRecordedError extends IdempotencyError {
   }
 }
 shareIdentity(IdempotencyResultNotRecordedError, 'IdempotencyResultNotRecordedError')
+
+/**
+ * `run`'s function ran and returned, but its lease ended before its result was kept: it held its
+ * key longer than `maxLockHold`, its process stalled past `lockTimeout`, or the store failed until
+ * the lease lapsed. Nothing of it is kept, and a later call with the key may run it again: this
+ * call throws rather than return as if it were kept. `reason` says which. Never an HTTP answer.
+ */
+export class IdempotencyLeaseLostError extends IdempotencyError {
+  static override readonly type = `${PROBLEM_TYPE_BASE}#lease-lost`
+  static override readonly title = 'Idempotency lease lost'
+  readonly code = 'FST_IDEMPOTENCY_LEASE_LOST'
+  /** Why the result was not kept: `'lease-lost'` (held past maxLockHold, or taken over) or `'store-error'`. */
+  readonly reason: string
+
+  constructor (idempotencyKey: string, reason: string) {
+    super(`The function ran, but its lease ended before its result was kept (${reason}); a later call with this key may run it again.`, 500, idempotencyKey, { ...DO_NOT_RETRY })
+    this.reason = reason
+  }
+}
+shareIdentity(IdempotencyLeaseLostError, 'IdempotencyLeaseLostError')
 
 /** True for every error this plugin raises. */
 export function isIdempotencyError (error: unknown): error is IdempotencyError {

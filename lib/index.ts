@@ -126,6 +126,8 @@ export type { IdempotencyRequestContext } from './http/hooks.js'
 export type { StepContext, StepFunction } from './engine/steps.js'
 export type { IdempotencyApi, RunOptions } from './run/idempotency.js'
 export type { RunContext, RunFunction } from './run/function-run.js'
+export { retryDecision, type RetryDecision } from './run/retry-decision.js'
+export { runScope } from './engine/storage-key.js'
 export type { ValueCodec } from './engine/value-codec.js'
 export {
   IdempotencyError,
@@ -134,6 +136,7 @@ export {
   IdempotencyFingerprintUnsupportedError,
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
+  IdempotencyLeaseLostError,
   IdempotencyRequestInProgressError,
   IdempotencyResultNotRecordedError,
   IdempotencyScopeError,

@@ -12,13 +12,19 @@ export type { ValueCodec } from './engine/value-codec.js'
 export type { Logger } from './engine/report.js'
 export type { AuditLogger } from './operations/audit.js'
 export { MemoryStorage } from './storage/memory.js'
+export { retryDecision, type RetryDecision } from './run/retry-decision.js'
+export { runScope } from './engine/storage-key.js'
+/** Every error `run` can throw; `retryDecision` says what each means for a message. */
 export {
   IdempotencyError,
+  IdempotencyFingerprintError,
   IdempotencyFingerprintMismatchError,
   IdempotencyFingerprintUnsupportedError,
   IdempotencyKeyInvalidError,
+  IdempotencyLeaseLostError,
   IdempotencyRequestInProgressError,
   IdempotencyResultNotRecordedError,
+  IdempotencyServerClosingError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError,
   isIdempotencyError

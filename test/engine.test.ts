@@ -328,7 +328,7 @@ describe('settle', () => {
     await ask(engine, state)
     down.add('complete')
     const settlement = await end(engine, state, { kind: 'store', statusCode: 201, response: answer('{"id":3}') })
-    expect(settlement).toEqual({ stored: false, reason: 'store-error', deliverable: true, retrying: true })
+    expect(settlement).toEqual({ stored: false, reason: 'store-error', deliverable: true, retrying: true, background: expect.any(Promise) })
     expect(state.phase).toBe('storing')
     expect(state.renewing).toBe(true)
     expect(engine.inFlight.size).toBe(1)
@@ -341,6 +341,8 @@ describe('settle', () => {
     expect(engine.inFlight.size).toBe(0)
     expect(events.filter((event) => event.outcome === 'execute')).toMatchObject([{ statusCode: 201, stored: true }])
     expect((await ask(engine, request(state.key).state)).outcome).toBe('replay')
+    // What storing in the background came to, for run(), which waits for it.
+    expect(await settlement.background).toEqual({ stored: true, deliverable: true })
   })
 
   it('transaction mode: commits the handler\'s writes with the response', async () => {

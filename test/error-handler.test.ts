@@ -9,6 +9,7 @@ import {
   IdempotencyFingerprintUnsupportedError,
   IdempotencyKeyInvalidError,
   IdempotencyKeyMissingError,
+  IdempotencyLeaseLostError,
   IdempotencyRequestInProgressError,
   IdempotencyResultNotRecordedError,
   IdempotencyScopeError,
@@ -32,7 +33,8 @@ const kinds = [
   { error: new IdempotencyStoredResponseUnreadableError('k5', new Error('tampered')), status: 409, anchor: 'stored-response-unreadable', title: 'Idempotency stored response unreadable', key: 'k5' },
   { error: new IdempotencyServerClosingError('k7'), status: 503, anchor: 'server-closing', title: 'Idempotency server closing', key: 'k7' },
   { error: new IdempotencyScopeError('k8'), status: 500, anchor: 'scope-unresolved', title: 'Idempotency scope unresolved', key: 'k8' },
-  { error: new IdempotencyResultNotRecordedError('k9', 'the function returned a function'), status: 409, anchor: 'result-not-recorded', title: 'Idempotency result not recorded', key: 'k9' }
+  { error: new IdempotencyResultNotRecordedError('k9', 'the function returned a function'), status: 409, anchor: 'result-not-recorded', title: 'Idempotency result not recorded', key: 'k9' },
+  { error: new IdempotencyLeaseLostError('k10', 'lease-lost'), status: 500, anchor: 'lease-lost', title: 'Idempotency lease lost', key: 'k10' }
 ]
 
 async function answer (error: Error, handler = idempotencyErrorHandler()) {

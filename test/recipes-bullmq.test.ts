@@ -63,6 +63,36 @@ describe.skipIf(!redisUp.available)(`BullMQ recipe: a job whose worker is killed
     expect(done!.attemptsMade).toBe(1)
   })
 
+  /** A fresh queue of this test's own, `invoices-<n>`. */
+  function freshQueue (): Queue {
+    const queue = new Queue(`invoices-${queues.length}`, { connection: { host: REDIS.host, port: REDIS.port }, prefix: PREFIX })
+    queues.push(queue)
+    return queue
+  }
+
+  it('the work\'s own SyntaxError (a downstream HTML page) after the charge fails that attempt, and BullMQ\'s retry completes the job: one charge, one receipt', async () => {
+    const queue = freshQueue()
+    const job = await queue.add('invoice', { amount: 4200, email: 'ada@example.com' }, { jobId: 'invoice-3', attempts: 3 })
+    const worker = await startWorker('bullmq-worker.ts', { QUEUE: queue.name, PREFIX, FAIL: 'once' })
+    await worker.line(`COMPLETED ${job.id} `)
+    expect(worker.lines).toContain(`FAILED ${job.id} SyntaxError 1`)
+    expect(await list(`charges:${job.id}`)).toEqual([String(worker.pid)])
+    expect(await list(`receipts:${job.id}`)).toEqual([String(worker.pid)])
+    expect((await queue.getJob(job.id!))!.attemptsMade).toBe(2)
+  })
+
+  it('another job\'s data under a job id that was done: UnrecoverableError, failed without spending its other attempts, and nothing charged again', async () => {
+    const queue = freshQueue()
+    const worker = await startWorker('bullmq-worker.ts', { QUEUE: queue.name, PREFIX })
+    const first = await queue.add('invoice', { amount: 4200, email: 'ada@example.com' }, { jobId: 'invoice-4' })
+    await worker.line(`COMPLETED ${first.id} `)
+    await first.remove()
+    const other = await queue.add('invoice', { amount: 9900, email: 'bob@example.com' }, { jobId: 'invoice-4', attempts: 3 })
+    await worker.line(`FAILED ${other.id} UnrecoverableError 1`)
+    expect(await (await queue.getJob(other.id!))!.getState()).toBe('failed')
+    expect(await list(`charges:${other.id}`)).toEqual([String(worker.pid)])
+  })
+
   it('docs/jobs.md shows the processor this test runs', () => {
     expectDocumented('bullmq-processor.ts')
   })

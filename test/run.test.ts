@@ -6,7 +6,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import { setTimeout as sleep } from 'node:timers/promises'
 import Fastify from 'fastify'
 import idempotency, { IdempotencyFingerprintMismatchError, IdempotencyRequestInProgressError, IdempotencyResultNotRecordedError, IdempotencyStoreUnavailableError } from '../lib/index.js'
-import { createIdempotency, type RunContext, type StandaloneIdempotency, type StandaloneOptions } from '../lib/standalone.js'
+import { createIdempotency, runScope, type RunContext, type StandaloneIdempotency, type StandaloneOptions } from '../lib/standalone.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { MemoryStorage } from '../lib/storage/memory.js'
 import { newKey } from './helpers/app.js'
@@ -211,14 +211,15 @@ for (const store of cases) {
       expect(dump).not.toContain(key)
     })
 
-    it('is seen and forgotten by the operations, with its scope', async () => {
+    it('is seen and forgotten by the operations, in the namespace of run with its scope', async () => {
       const idem = open()
       const key = newKey('ops')
       const fn = counted((run) => run)
       await idem.run(key, {}, fn, { scope: 'queue:orders' })
-      expect((await idem.inspect(key, { scope: 'queue:orders' })).state).toBe('stored')
+      expect((await idem.inspect(key, { scope: runScope('queue:orders') })).state).toBe('stored')
+      expect((await idem.inspect(key, { scope: 'queue:orders' })).state).toBe('absent')
       expect((await idem.inspect(key)).state).toBe('absent')
-      expect((await idem.forget(key, { scope: 'queue:orders' })).outcome).toBe('forgotten')
+      expect((await idem.forget(key, { scope: 'run():queue:orders' })).outcome).toBe('forgotten')
       expect(await idem.run(key, {}, fn, { scope: 'queue:orders' })).toBe(2)
     })
 

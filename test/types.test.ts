@@ -4,10 +4,15 @@
  */
 import { describe, expectTypeOf, it } from 'vitest'
 import Fastify, { type FastifyRequest, type RouteShorthandOptions } from 'fastify'
-import { createIdempotency, type StandaloneIdempotency } from '../lib/standalone.js'
+import { createIdempotency, retryDecision as standaloneRetryDecision, IdempotencyLeaseLostError as StandaloneLeaseLost, type RetryDecision as StandaloneRetryDecision, type StandaloneIdempotency } from '../lib/standalone.js'
 import idempotency, {
   idempotency as named,
   IdempotencyResultNotRecordedError,
+  IdempotencyLeaseLostError,
+  IdempotencyRequestInProgressError,
+  retryDecision,
+  runScope,
+  type RetryDecision,
   type IdempotencyApi,
   type RunContext,
   type RunFunction,
@@ -239,6 +244,19 @@ describe('public types', () => {
     expectTypeOf<RunFunction<number>>().returns.toEqualTypeOf<number | Promise<number>>()
     expectTypeOf<RunOptions['scope']>().toEqualTypeOf<string | null | undefined>()
     expectTypeOf(new IdempotencyResultNotRecordedError('k', 'why').reason).toEqualTypeOf<string>()
+    expectTypeOf<RunOptions['sharedWithRequests']>().toEqualTypeOf<boolean | undefined>()
+    expectTypeOf(new IdempotencyLeaseLostError('k', 'lease-lost').reason).toEqualTypeOf<string>()
+    expectTypeOf(new IdempotencyRequestInProgressError('k', 1).leaseEndsInMs).toEqualTypeOf<number>()
+    expectTypeOf(runScope).toEqualTypeOf<(scope: string | null) => string>()
+    expectTypeOf(standaloneRetryDecision).toEqualTypeOf(retryDecision)
+    expectTypeOf<StandaloneRetryDecision>().toEqualTypeOf<RetryDecision>()
+    expectTypeOf(StandaloneLeaseLost).toEqualTypeOf(IdempotencyLeaseLostError)
+    const decision = retryDecision(new Error('x'))
+    expectTypeOf(decision.kind).toEqualTypeOf<'retry' | 'release' | 'done' | 'give-up' | 'failed'>()
+    if (decision.kind === 'retry') expectTypeOf(decision.delayMs).toEqualTypeOf<number>()
+    if (decision.kind === 'give-up') expectTypeOf(decision.why).toEqualTypeOf<string>()
+    // @ts-expect-error: a decision's kind is one of five
+    if (decision.kind === 'requeue') expectTypeOf(decision).toBeNever()
     await standalone.close()
     await app.close()
   })

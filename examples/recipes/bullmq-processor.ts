@@ -3,14 +3,7 @@
  * worker died, a failed attempt): docs/jobs.md#bullmq.
  */
 import { DelayedError, UnrecoverableError, type Job, type Processor } from 'bullmq'
-import {
-  IdempotencyFingerprintMismatchError,
-  IdempotencyKeyInvalidError,
-  IdempotencyRequestInProgressError,
-  IdempotencyResultNotRecordedError,
-  type IdempotencyApi,
-  type RunContext
-} from '../../lib/standalone.js'
+import { retryDecision, type IdempotencyApi, type RunContext } from '../../lib/standalone.js'
 
 /** A job's work: the job, and run's context (recovery points, the transaction). */
 export type Work<T> = (job: Job, context: RunContext) => Promise<T>
@@ -25,18 +18,25 @@ export function processOnce<T> (idempotency: IdempotencyApi, work: Work<T>): Pro
     try {
       return await idempotency.run(String(job.id), job.data, async (context) => await work(job, context), { scope: `bullmq:${job.queueName}` })
     } catch (error) {
-      if (error instanceof IdempotencyRequestInProgressError) {
-        // The job's work is still running elsewhere (its worker stalled and BullMQ handed the job
-        // on): come back when it is likely done, without spending an attempt.
-        await job.moveToDelayed(Date.now() + error.retryAfter * 1000, token)
-        throw new DelayedError()
+      const decision = retryDecision(error)
+      switch (decision.kind) {
+        case 'retry':
+        case 'release':
+          // The job's work holds its key elsewhere (its worker stalled, or died and its lease has
+          // not lapsed yet), the store is down, or this worker is closing: delayed, which spends
+          // none of its attempts, until the key's holder is done or its lease lapsed.
+          await job.moveToDelayed(Date.now() + (decision.kind === 'retry' ? decision.delayMs : 0), token)
+          throw new DelayedError()
+        case 'done':
+          // The work ran, but its result is not to be had: the job is done, with no return value.
+          return undefined
+        case 'give-up':
+          // No attempt can succeed: another job's data under this id, an unusable id.
+          throw new UnrecoverableError(decision.why)
+        case 'failed':
+          // The work threw: BullMQ's attempts and backoff decide.
+          throw decision.error
       }
-      // The work ran, but its result could not be kept: the job is done, with no return value.
-      if (error instanceof IdempotencyResultNotRecordedError) return undefined
-      // No attempt can succeed: another job's data under this id, or an unusable id.
-      if (error instanceof IdempotencyFingerprintMismatchError || error instanceof IdempotencyKeyInvalidError) throw new UnrecoverableError(error.message)
-      // The store is down, or the work threw: BullMQ's attempts and backoff decide.
-      throw error
     }
   }
 }

@@ -2,7 +2,7 @@
  * A scheduled job that every instance of an app fires on the same schedule, done once for each
  * time it is due: docs/jobs.md#scheduled-jobs.
  */
-import { IdempotencyRequestInProgressError, type IdempotencyApi, type RunContext } from '../../lib/standalone.js'
+import { retryDecision, type IdempotencyApi, type RunContext } from '../../lib/standalone.js'
 
 /** What one instance's tick came to. */
 export type Tick<T> =
@@ -34,7 +34,8 @@ export async function runScheduled<T> (idempotency: IdempotencyApi, name: string
     }, { scope: 'schedule' })
     return ranHere ? { ran: 'here', result } : { ran: 'before', result }
   } catch (error) {
-    if (error instanceof IdempotencyRequestInProgressError) return { ran: 'elsewhere' }
+    const decision = retryDecision(error)
+    if (decision.kind === 'retry' && decision.reason === 'in-progress') return { ran: 'elsewhere' }
     throw error
   }
 }

@@ -142,7 +142,8 @@ function decide (engine: RouteEngine, state: RequestState, taken: TakenLease, at
   const now = Date.now()
   if (now < waitUntil) return WAIT
   reporter.report(state, 'in-progress', {}, 'debug', 'idempotency key in progress')
-  return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, result.lockExpiresAt - now) / 1000) }
+  const untilLeaseEnds = result.lockExpiresAt - now
+  return { outcome: 'refuse', error: new IdempotencyRequestInProgressError(state.key, retryAfter(engine, untilLeaseEnds) / 1000, leaseEndsIn(engine, untilLeaseEnds)) }
 }
 
 /** The lease is the request's, taken at `acquiredAt` and measured by the store from `since`: it runs, and the lease is renewed. */
@@ -194,6 +195,19 @@ const MIN_RETRY_AFTER_MS = 100
  */
 function retryAfter ({ durations }: RouteEngine, untilLeaseEnds: number): number {
   return Math.max(MIN_RETRY_AFTER_MS, Math.min(untilLeaseEnds, durations.p90(FIRST_RETRY_AFTER_MS)))
+}
+
+/**
+ * When the holder's lease ends unless renewed, as far as this process can tell, for a job that
+ * must wait out a dead holder without coming back before (each return costs a broker's delivery).
+ * The lease's end is the store's clock (or the holder's): never more than `lockTimeout` away, which
+ * no lease outlasts without a renewal; and when this process's clock says it has passed already
+ * while the store still holds it (the clocks disagree, or it just ended), an eighth of
+ * `lockTimeout`, so that at most eight returns are spent on a lease whatever the clocks say.
+ */
+function leaseEndsIn ({ settings: { lockTimeout } }: RouteEngine, untilLeaseEnds: number): number {
+  if (untilLeaseEnds > lockTimeout) return lockTimeout
+  return untilLeaseEnds > 0 ? untilLeaseEnds : Math.ceil(lockTimeout / 8)
 }
 
 /** The first pause between two asks of a waiting duplicate, doubled on each ask up to 16 times it. */

@@ -31,6 +31,8 @@ export interface Settlement {
    * duplicates get 409 rather than a second run until it is stored (or `maxLockHold` has passed).
    */
   retrying?: boolean
+  /** With `retrying`: the settlement storing in the background comes to (`run` waits for it). */
+  background?: Promise<Settlement>
 }
 
 /**
@@ -94,7 +96,7 @@ function keep (engine: RouteEngine, state: RequestState, ending: Ending, { kept,
 function reported (engine: RouteEngine, state: RequestState, ending: Ending, final: Ending, kept: StoredResponse | null, settlement: Settlement): Settlement {
   if (settlement.retrying === true && final.kind === 'store') {
     state.storeInBackground()
-    void keepStoring(engine, state, final, kept!)
+    settlement.background = keepStoring(engine, state, final, kept!)
   } else {
     reportExecuted(engine, state, ending.statusCode, settlement, kept)
     state.end()
@@ -205,7 +207,7 @@ const LAST_STORE_RETRY_MS = 2000
  * loudly, in the log and on the diagnostics channels). Closing the app waits for it up to
  * `closeTimeout`; past that it gives up, as the store is about to be closed.
  */
-async function keepStoring (engine: RouteEngine, state: RequestState, { statusCode, response, text }: Extract<Ending, { kind: 'store' }>, kept: StoredResponse): Promise<void> {
+async function keepStoring (engine: RouteEngine, state: RequestState, { statusCode, response, text }: Extract<Ending, { kind: 'store' }>, kept: StoredResponse): Promise<Settlement> {
   const { settings, reporter, renewal, inFlight } = engine
   // From the last renewal sent, not from now: the failed attempt took time the lease did not wait for.
   renewal.hold(state, state.renewedAt)
@@ -241,6 +243,7 @@ async function keepStoring (engine: RouteEngine, state: RequestState, { statusCo
   reportExecuted(engine, state, statusCode, settlement, kept)
   state.end()
   inFlight.leave(state)
+  return settlement
 }
 
 /** Commit the handler's writes with the stored response, or roll both back and free the key. */

@@ -28,6 +28,19 @@ import { IdempotencyKeyInvalidError } from '../errors.js'
 export const NO_CALLER_SCOPE = ''
 
 /**
+ * The namespace of the keys of `run` (jobs, messages): their scope is `run()`, or `run():<scope>`
+ * for a run given one. No request's scope may start with it (http/scope.ts refuses one that does),
+ * so no client's `Idempotency-Key` reads a job's result or takes its key. Operators address a
+ * job's key with this scope (`scope: 'run():billing'`).
+ */
+export const RUN_SCOPE = 'run()'
+
+/** The scope a run's key is stored under, for the run's own `scope` (`null`: none). */
+export function runScope (scope: string | null): string {
+  return scope === null ? RUN_SCOPE : `${RUN_SCOPE}:${scope}`
+}
+
+/**
  * Longest storage key passed on unhashed, in UTF-8 bytes: every store of this package takes it
  * (KnexStorage's key column holds 1024), and it keeps Redis key names short.
  */

@@ -6,7 +6,7 @@
  */
 import { hash } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
-import { NO_CALLER_SCOPE } from '../engine/storage-key.js'
+import { NO_CALLER_SCOPE, RUN_SCOPE } from '../engine/storage-key.js'
 import { IdempotencyScopeError } from '../errors.js'
 
 /**
@@ -62,9 +62,11 @@ function describe (value: unknown): string {
  */
 export async function resolveScope (scope: Scope, request: FastifyRequest, key: string, route: string): Promise<string> {
   const value: unknown = await scope(request)
-  if (typeof value === 'string' && value !== '') return value
+  if (typeof value === 'string' && value !== '' && !value.startsWith(RUN_SCOPE)) return value
   let problem
-  if (value === undefined || value === null) {
+  if (typeof value === 'string' && value !== '') {
+    problem = `returned a scope that starts with "${RUN_SCOPE}", the namespace of the keys of run() (jobs, messages), which no request may reach`
+  } else if (value === undefined || value === null) {
     const credentials = credentialsOf(request)
     if (credentials === '') return NO_CALLER_SCOPE
     problem = `found no caller in a request that carries credentials (${credentials}): sharing the namespace of callers without one would hand it another caller's response. Scope by the signed-in principal, read after your authentication hook (scope: (request) => request.user?.id), and make sure that hook refuses credentials it does not accept`

@@ -52,6 +52,11 @@ export function routeSettings (plugin: PluginSettings, config: unknown, routeNam
   return normalizeFields(routeFields, [pluginLayers.get(plugin.defaults)!, route], plugin.defaults, context)
 }
 
+/** The route options a registration was given (not their defaults): what `run` tells apart from a default. */
+export function givenRouteOptions (plugin: PluginSettings): Readonly<IdempotencyRouteOptions> {
+  return pluginLayers.get(plugin.defaults)!
+}
+
 /** A copy of options' data (arrays and plain objects); functions are kept as they are. */
 function copyOf<T> (value: T): T {
   if (Array.isArray(value)) return value.map(copyOf) as T

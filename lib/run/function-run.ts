@@ -21,12 +21,14 @@ import { runStep, type StepFunction } from '../engine/steps.js'
 import { checkKey, storageKey } from '../engine/storage-key.js'
 import { decodeValue, recordOrLost, ValueLostError, type ValueCodec } from '../engine/value-codec.js'
 import {
+  IdempotencyLeaseLostError,
   IdempotencyResultNotRecordedError,
   IdempotencyStoreUnavailableError,
   IdempotencyStoredResponseUnreadableError
 } from '../errors.js'
 import type { StoredResponse } from '../storage/types.js'
 import { inputFingerprint } from './input-fingerprint.js'
+import { markFailedAttempt } from './retry-decision.js'
 
 /** What `fn` receives. */
 export interface RunContext {
@@ -62,8 +64,18 @@ export async function runFunction<T> (engine: RouteEngine, log: Logger, key: str
   switch (acquisition.outcome) {
     case 'replay': return kept(engine, state, acquisition.response, codec)
     case 'refuse': throw acquisition.error
-    case 'unprotected': return await fn(contextOf(engine, state))
+    case 'unprotected': return await attempt(engine, state, fn)
     case 'run': return await runHolding(engine, state, fn, codec)
+  }
+}
+
+/** `fn` called; what it throws is marked as its own failure, whatever its class (retry-decision.ts). */
+async function attempt<T> (engine: RouteEngine, state: RequestState, fn: RunFunction<T>): Promise<T> {
+  try {
+    return await fn(contextOf(engine, state))
+  } catch (error) {
+    markFailedAttempt(error)
+    throw error
   }
 }
 
@@ -79,7 +91,7 @@ function contextOf (engine: RouteEngine, state: RequestState): RunContext {
 async function runHolding<T> (engine: RouteEngine, state: RequestState, fn: RunFunction<T>, codec?: ValueCodec<T>): Promise<T> {
   let value: T
   try {
-    value = await fn(contextOf(engine, state))
+    value = await attempt(engine, state, fn)
   } catch (error) {
     state.startSettling()
     // Nothing is kept: the next call runs fn again (its recovery points keep what they did).
@@ -87,9 +99,19 @@ async function runHolding<T> (engine: RouteEngine, state: RequestState, fn: RunF
     throw error
   }
   state.startSettling()
-  const settlement = await settle(engine, state, { kind: 'store', statusCode: 200, response: keptOf(state, value, engine.settings.maxResponseBytes, codec) })
-  // Transaction mode: the result was to be kept with fn's writes, and neither was.
-  if (!settlement.deliverable) throw new IdempotencyStoreUnavailableError(state.key, new Error(`the result was not kept (${settlement.reason ?? 'store-error'}): the transaction was rolled back`))
+  let settlement = await settle(engine, state, { kind: 'store', statusCode: 200, response: keptOf(state, value, engine.settings.maxResponseBytes, codec) })
+  // Transaction mode: the result was to be kept with fn's writes, and neither was. A failed
+  // attempt: the next one runs fn again, as often as the caller's policy allows.
+  if (!settlement.deliverable) {
+    const error = new IdempotencyStoreUnavailableError(state.key, new Error(`the result was not kept (${settlement.reason ?? 'store-error'}): the transaction was rolled back`))
+    markFailedAttempt(error)
+    throw error
+  }
+  // The store failed: storing goes on while the lease is held, and the caller waits for it, since
+  // it acknowledges its message once run returns.
+  if (settlement.background !== undefined) settlement = await settlement.background
+  // Not kept, and nothing says fn ran: a later call may run it again. Never return as if kept.
+  if (!settlement.stored) throw new IdempotencyLeaseLostError(state.key, settlement.reason ?? 'lease-lost')
   return value
 }
 

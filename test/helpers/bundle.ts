@@ -8,13 +8,14 @@
 import { createHash } from 'node:crypto'
 import { existsSync, mkdirSync, renameSync, writeFileSync } from 'node:fs'
 import { basename, join } from 'node:path'
-import { build } from 'esbuild'
+import { build, type Plugin } from 'esbuild'
 
 /**
  * `entry` bundled into `dir` (inside the repository), named by its content: the same program is
  * written once and shared by every test process that asks for it, and each file appears whole.
+ * `plugins` may take modules from elsewhere (the recipes' tests take them from docs/jobs.md).
  */
-export async function bundle (entry: string, dir: string): Promise<string> {
+export async function bundle (entry: string, dir: string, plugins: Plugin[] = []): Promise<string> {
   const { outputFiles } = await build({
     entryPoints: [entry],
     write: false,
@@ -24,6 +25,7 @@ export async function bundle (entry: string, dir: string): Promise<string> {
     format: 'esm',
     target: 'node20',
     packages: 'external',
+    plugins,
     logLevel: 'silent'
   })
   const code = outputFiles[0]!.contents

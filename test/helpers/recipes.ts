@@ -1,10 +1,14 @@
 /**
- * The recipes of docs/jobs.md are the modules in examples/recipes/ that the recipes' tests run:
- * the page shows each one whole, in a block named after its file (`// rabbitmq-consumer.ts`), with
- * the package's import specifiers where the example has paths into lib/. `expectDocumented` fails
- * when the two drift apart, so that the code a user copies is the code the tests kill.
+ * The recipes of docs/jobs.md, as the recipes' tests run them: each is a module the page shows
+ * whole, in a block named after its file (`// rabbitmq-consumer.ts`). The worker processes of the
+ * tests import it as `examples/recipes/<file>.js`, and `documentedRecipes` hands the bundler the
+ * page's block instead, its package imports pointed at the sources in lib/: the code a user copies
+ * is the code the tests kill. examples/recipes/ keeps the same modules for the type-checker and
+ * for readers of the repository; `expectDocumented` fails when the two drift apart.
  */
 import { readFileSync } from 'node:fs'
+import { fileURLToPath } from 'node:url'
+import type { Plugin } from 'esbuild'
 import { expect } from 'vitest'
 
 const root = new URL('../../', import.meta.url)
@@ -25,6 +29,21 @@ function documentedBlock (file: string): string | null {
     if (first === `// ${file}`) return rest.join('\n')
   }
   return null
+}
+
+/** An esbuild plugin: `examples/recipes/<name>.js` is the block `// <name>.ts` of docs/jobs.md. */
+export const documentedRecipes: Plugin = {
+  name: 'documented-recipes',
+  setup (build) {
+    build.onResolve({ filter: /examples\/recipes\/[\w-]+\.js$/ }, ({ path }) => ({ path: `${/([\w-]+)\.js$/.exec(path)![1]!}.ts`, namespace: 'docs/jobs.md' }))
+    build.onLoad({ filter: /.*/, namespace: 'docs/jobs.md' }, ({ path }) => {
+      const block = documentedBlock(path)
+      if (block === null) return { errors: [{ text: `docs/jobs.md has no block starting with "// ${path}"` }] }
+      const sources = Object.fromEntries(Object.entries(ENTRY_POINTS).map(([source, entry]) => [entry, fileURLToPath(new URL(source.replace('../../', '').replace(/\.js$/, '.ts'), root))]))
+      const contents = block.replace(/(from\s+)'(fastify-idempotency(?:\/\w+)?)'/g, (match, from: string, entry: string) => sources[entry] === undefined ? match : `${from}'${sources[entry]}'`)
+      return { contents, loader: 'ts', resolveDir: fileURLToPath(root) }
+    })
+  }
 }
 
 export function expectDocumented (file: string): void {

@@ -3,12 +3,14 @@
  * app instance, started as plain node from its bundle, that says what it does on stdout, one word
  * and its arguments a line (`READY`, `HANGING <key>`, `ACK <id>`...), and takes commands on stdin.
  * Tests wait for those lines instead of sleeping, and kill the process with SIGKILL to crash it.
+ * The recipe a worker imports from examples/recipes/ is the one docs/jobs.md shows (recipes.ts).
  */
 import { spawn, type ChildProcess } from 'node:child_process'
 import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { bundle } from './bundle.js'
 import { scaled } from './pace.js'
+import { documentedRecipes } from './recipes.js'
 
 const bundles = fileURLToPath(new URL('../../.tmp/bundles', import.meta.url))
 const programs = new Map<string, Promise<string>>()
@@ -32,7 +34,7 @@ export interface Worker {
 export async function startWorker (fixture: string, env: Record<string, string>): Promise<Worker> {
   const entry = fileURLToPath(new URL(`../fixtures/recipes/${fixture}`, import.meta.url))
   let program = programs.get(entry)
-  if (program === undefined) programs.set(entry, program = bundle(entry, bundles))
+  if (program === undefined) programs.set(entry, program = bundle(entry, bundles, [documentedRecipes]))
   const child: ChildProcess = spawn(process.execPath, [await program], { env: { ...process.env, ...env }, stdio: ['pipe', 'pipe', 'pipe'] })
   const lines: string[] = []
   let stderr = ''
