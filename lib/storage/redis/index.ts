@@ -1,7 +1,8 @@
 import type { Cluster, Redis } from 'ioredis'
 import { duration } from '../durations.js'
 import { TokenGenerator } from '../tokens.js'
-import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from '../types.js'
+import { proofFailure } from '../proof.js'
+import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoreCheck, StoreProofOptions, StoredResponse, StoredState } from '../types.js'
 import { KeyWaiters, type Waiter } from '../waiters.js'
 import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
 import { driverFor, type RedisDriver, type Subscription } from './driver.js'
@@ -9,6 +10,7 @@ import type { GlideLikeClient } from './glide.js'
 import { channelOf, redisKeyOf } from './keys.js'
 import type { NodeRedisClient, NodeRedisCluster } from './node-redis.js'
 import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.js'
+import { proveRedis } from './proof.js'
 import { END_LEASE, MARK_WAITING, RENEW } from './scripts.js'
 
 /**
@@ -27,6 +29,13 @@ export interface RedisStorageOptions {
   client: RedisStorageClient
   /** Prepended to every Redis key. No `{` or `}` (see `redisKey`). Default `'idempotency:'`. */
   prefix?: string
+  /**
+   * Start on a Redis that may evict keys (a `maxmemory-policy` other than `noeviction`, with
+   * `maxmemory` set): the start-up check then warns instead of failing. Under memory pressure such
+   * a Redis may evict a lease, and a duplicate then runs while the first request still runs.
+   * Default `false`.
+   */
+  allowEviction?: boolean
 }
 
 /*
@@ -77,6 +86,13 @@ export class RedisStorage implements IdempotencyStorage {
   readonly #channels = new Map<string, Promise<void>>()
   /** Requests waiting, per channel; the last one gone unsubscribes from it. */
   readonly #waiters = new KeyWaiters((channel) => { this.#idle(channel) })
+  readonly #prefix: string
+  readonly #allowEviction: boolean
+  /**
+   * Why waits poll instead of being woken: the client's Redis user may not PUBLISH or SUBSCRIBE
+   * (found by the start-up proof, or by a script whose PUBLISH was refused). `null` while they work.
+   */
+  #cannotSignal: Error | null = null
 
   /**
    * The store's name in events, logs and errors, whatever a bundler calls the class; a subclass
@@ -102,7 +118,10 @@ export class RedisStorage implements IdempotencyStorage {
     if (driver.cluster && (keyPrefix.includes('{') || keyPrefix.includes('}'))) {
       throw new TypeError(`RedisStorage: the ${driver.family} client's \`keyPrefix\` (${JSON.stringify(keyPrefix)}) must not contain \`{\` or \`}\`: its hash tag would put every idempotency key in one slot, on one node. Give the storage a client without it (the storage's own \`prefix\` keeps apps apart)`)
     }
+    if (options.allowEviction !== undefined && typeof options.allowEviction !== 'boolean') throw new TypeError('RedisStorage: `allowEviction` must be a boolean')
+    this.#allowEviction = options.allowEviction === true
     this.#driver = driver
+    this.#prefix = prefix
     this.#open = prefix + '{'
     this.#view = { driver, open: this.#open }
   }
@@ -145,11 +164,31 @@ export class RedisStorage implements IdempotencyStorage {
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const lease = splitLeaseToken(token)
     const entry = encodeEntry(lease.fingerprint, response, Date.now())
-    return Number(await this.#driver.script(END_LEASE, this.redisKey(key), [fenceOf(lease.token), entry, String(duration('RedisStorage', 'expiration', expiration))])) === 1
+    const redisKey = this.redisKey(key)
+    return this.#ended(redisKey, await this.#driver.script(END_LEASE, redisKey, [fenceOf(lease.token), entry, String(duration('RedisStorage', 'expiration', expiration))]))
   }
 
   async release (key: string, token: string): Promise<boolean> {
-    return Number(await this.#driver.script(END_LEASE, this.redisKey(key), [fence(token)])) === 1
+    const redisKey = this.redisKey(key)
+    return this.#ended(redisKey, await this.#driver.script(END_LEASE, redisKey, [fence(token)]))
+  }
+
+  /**
+   * What END_LEASE answered: 2 says the lease ended and its PUBLISH was refused (an ACL changed
+   * since the start-up proof): the end is kept, the waiters of this process are woken here, and
+   * waits poll from now on, said once.
+   */
+  #ended (redisKey: string, answer: unknown): boolean {
+    const ended = Number(answer)
+    if (ended !== 2) return ended === 1
+    this.#waiters.wake(this.#driver.keyPrefix + channelOf(redisKey))
+    if (this.#cannotSignal === null) {
+      this.#cannotSignal = new Error('RedisStorage: the client\'s Redis user may not PUBLISH: waits poll the store')
+      process.emitWarning('The client\'s Redis user may not PUBLISH (refused to the script that ended a lease): the lease ended and its response is kept, ' +
+        'but requests waiting for it in other processes are not woken until they ask again, and waits in this process poll the store from now on. ' +
+        'Allow PUBLISH and SUBSCRIBE on the storage\'s channels to have them woken at once.', { type: 'FastifyIdempotencyWarning', code: 'FASTIFY_IDEMPOTENCY_NO_PUBLISH' })
+    }
+    return true
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
@@ -158,30 +197,20 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   /**
-   * The start-up check (the plugin calls it when the app starts): the server takes begin's very
-   * `SET … PX … NX GET` (Redis 7.0 or later, or Valkey), and runs the storage's scripts (EVAL not
-   * disabled, nor refused by an ACL), on a probe key outside the keys of idempotency keys (no hash
-   * tag, so no key of the storage can be it): a lease of its own, which the script ends (deletes),
-   * or, when another process's probe is there at the same moment, that one expires within a
-   * second. A server that cannot be reached fails it too, or never answers it (the plugin gives up
-   * at `storeTimeout`).
+   * The start-up proof (proof.ts): every command, script and form a request sends, tried with the
+   * client's own user on a probe key of its own, and the server's eviction policy and persistence.
+   * With wait mode, PUBLISH and SUBSCRIBE too: refused, waits poll the store instead (a warning).
    */
-  async ready (): Promise<void> {
-    const probe = this.#open.slice(0, -1) + 'ready-probe'
-    const probeFence = fenceOf(this.#tokens.next())
-    let step = 'SET … PX … NX GET'
-    try {
-      await this.#driver.call('set', probe, [probeFence, 'PX', '1000', 'NX', 'GET'])
-      step = 'a script (EVAL)'
-      await this.#driver.script(END_LEASE, probe, [probeFence])
-    } catch (error) {
-      const reason = error instanceof Error ? error.message.split('\n')[0]! : String(error)
-      const code = this.#driver.replyCode(error)
-      if (code === null) throw new Error(`RedisStorage: Redis cannot be reached through the ${this.#driver.family} client: ${reason}`, { cause: error })
-      if (code === 'NOPERM') throw new Error(`RedisStorage: the client's Redis user may not run ${step} (ACL): ${reason}`, { cause: error })
-      if (step.startsWith('SET') && /syntax/i.test(reason)) throw new Error(`RedisStorage: the server refuses SET with NX and GET together, which needs Redis 7.0 or later (or Valkey): ${reason}`, { cause: error })
-      throw new Error(`RedisStorage: the server refuses ${step}: ${reason}`, { cause: error })
-    }
+  async prove (options: StoreProofOptions): Promise<StoreCheck[]> {
+    const { checks, signals } = await proveRedis({ driver: this.#driver, prefix: this.#prefix, tokens: this.#tokens, allowEviction: this.#allowEviction }, options)
+    if (signals !== undefined) this.#cannotSignal = signals ? null : new Error('RedisStorage: the client\'s Redis user may not PUBLISH or SUBSCRIBE: waits poll the store')
+    return checks
+  }
+
+  /** The start-up proof, failing with one line that says why (and how to cure it) when a check failed. */
+  async ready (options: Partial<StoreProofOptions> = {}): Promise<void> {
+    const failure = proofFailure('RedisStorage', await this.prove({ wait: options.wait ?? false, ...(options.signal === undefined ? {} : { signal: options.signal }) }))
+    if (failure !== null) throw failure
   }
 
   /**
@@ -190,6 +219,8 @@ export class RedisStorage implements IdempotencyStorage {
    * subscribed before the key is checked so no end is missed.
    */
   async waitFor (key: string, timeout: number): Promise<void> {
+    // The plugin polls instead.
+    if (this.#cannotSignal !== null) throw this.#cannotSignal
     const redisKey = this.redisKey(key)
     // The scripts publish on the key's name as Redis has it, the client's keyPrefix included.
     const channel = this.#driver.keyPrefix + channelOf(redisKey)

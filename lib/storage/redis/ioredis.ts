@@ -25,8 +25,8 @@
  * (when enabled) batches them. Either way the client puts its `keyPrefix` in front of each key.
  */
 import type { Cluster, Redis } from 'ioredis'
-import type { CommandArg, RedisDriver, Subscription, SubscriptionEvents } from './driver.js'
-import { evalScript, type Script } from './scripts.js'
+import { untilReady, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 type IoredisClient = Redis | Cluster
 
@@ -85,8 +85,26 @@ export class IoredisDriver implements RedisDriver {
     return this.#send(name, [key, ...args])
   }
 
-  script (script: Script, key: string, args: CommandArg[]): Promise<unknown> {
-    return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode)
+  script (script: Script, key: string, args: CommandArg[], form?: ScriptForm): Promise<unknown> {
+    return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode, form)
+  }
+
+  async eachMaster (args: string[]): Promise<unknown[]> {
+    const client = this.#client
+    const servers = typeof (client as Cluster).nodes === 'function' ? (client as Cluster).nodes('master') : [client as Redis]
+    return await Promise.all(servers.map((server) => server.call(args[0]!, ...args.slice(1))))
+  }
+
+  /**
+   * ioredis reports a connection only through its status and events. A client made with
+   * `lazyConnect` (status `wait`) connects on its first command; it is asked to now, as that
+   * command would. `end`: it gave up for good, and the next command says so.
+   */
+  async whenReady (signal?: AbortSignal): Promise<void> {
+    const client = this.#client as IoredisClient & { status: string }
+    if (client.status === 'ready' || client.status === 'end') return
+    if (client.status === 'wait') client.connect().catch(() => {})
+    await untilReady(client, ['ready', 'end'], signal, this.family)
   }
 
   /** Send `name` with `args`; string replies come back as Buffers (or null). */
@@ -133,6 +151,9 @@ export class IoredisDriver implements RedisDriver {
     // Its errors must not go unhandled; the end of the connection says what matters.
     connection.on('error', () => {})
     connection.on('end', () => { if (!closed) events.lost(new Error('RedisStorage: subscriber connection ended')) })
+    // Without an offline queue, a SUBSCRIBE sent while it connects would fail at once: it is sent
+    // once the connection is ready, or has failed (then SUBSCRIBE says why, and waits poll).
+    if (connection.options.enableOfflineQueue === false) await untilReady(connection, ['ready', 'end', 'error'], undefined, this.family)
     return {
       subscribe: async (channel) => { await connection.subscribe(channel) },
       unsubscribe: async (channel) => { await connection.unsubscribe(channel) },
