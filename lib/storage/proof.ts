@@ -3,7 +3,7 @@
  * how a proof that failed becomes the one line `ready()` rejects with, and how a step of a proof
  * gives up when its time is up.
  */
-import type { StoreCheck } from './types.js'
+import type { StoreCheck, StoreProofOptions } from './types.js'
 
 export function passed (name: string, found: string): StoreCheck {
   return { name, outcome: 'passed', found }
@@ -28,6 +28,15 @@ export function proofFailure (store: string, checks: readonly StoreCheck[]): Err
   if (failures.length === 0) return null
   const more = failures.length === 1 ? '' : ` (and ${failures.length - 1} more check${failures.length === 2 ? '' : 's'} failed: ${failures.slice(1).map((check) => check.name).join(', ')})`
   return new Error(checkLine(store, failures[0]!) + more)
+}
+
+/**
+ * `ready()` of a store that proves itself: its proof (`wait` false unless said), rejecting with the
+ * first failure's line.
+ */
+export async function readyWhenProven (store: string, prove: (options: StoreProofOptions) => Promise<StoreCheck[]>, { wait = false, signal }: Partial<StoreProofOptions>): Promise<void> {
+  const failure = proofFailure(store, await prove(signal === undefined ? { wait } : { wait, signal }))
+  if (failure !== null) throw failure
 }
 
 /** The proof's time is up: a step that was still waiting says which it was. */

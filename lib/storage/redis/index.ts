@@ -1,7 +1,7 @@
 import type { Cluster, Redis } from 'ioredis'
 import { duration } from '../durations.js'
 import { TokenGenerator } from '../tokens.js'
-import { proofFailure } from '../proof.js'
+import { readyWhenProven } from '../proof.js'
 import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoreCheck, StoreProofOptions, StoredResponse, StoredState } from '../types.js'
 import { KeyWaiters, type Waiter } from '../waiters.js'
 import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
@@ -209,8 +209,7 @@ export class RedisStorage implements IdempotencyStorage {
 
   /** The start-up proof, failing with one line that says why (and how to cure it) when a check failed. */
   async ready (options: Partial<StoreProofOptions> = {}): Promise<void> {
-    const failure = proofFailure('RedisStorage', await this.prove({ wait: options.wait ?? false, ...(options.signal === undefined ? {} : { signal: options.signal }) }))
-    if (failure !== null) throw failure
+    await readyWhenProven('RedisStorage', (proof) => this.prove(proof), options)
   }
 
   /**
