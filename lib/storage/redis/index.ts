@@ -51,6 +51,12 @@ export interface RedisStorageOptions {
  * Cluster goes to every node).
  */
 
+/**
+ * For a promise nobody waits for, whose failure changes nothing (a fenced release, a subscriber's
+ * close): handled, so that it never rejects unhandled, which would end the process.
+ */
+const ignore = (): void => {}
+
 /** What the scripts compare a lease's first bytes with. */
 function fence (leaseToken: string): string {
   return fenceOf(splitLeaseToken(leaseToken).token)
@@ -147,7 +153,7 @@ export class RedisStorage implements IdempotencyStorage {
       if (code === null) {
         // Sent but unanswered (a command timeout, a connection lost for good): the SET may have
         // taken the lease. Give it back, fenced by this call's token, once Redis can be reached.
-        this.release(key, token).catch(() => {})
+        this.release(key, token).catch(ignore)
         throw error
       }
       // A Redis full under noeviction refuses SET even for a key that exists; what is there can
@@ -262,10 +268,11 @@ export class RedisStorage implements IdempotencyStorage {
       // A client that never says when it is closed (GLIDE, a node-redis cluster): the
       // subscriber must not hold the process open, so it lasts only while someone waits.
       this.#subscription = null
-      void subscription.then((connection) => { connection.close() }, () => {})
+      // node-redis 5 throws from closing a connection that closed meanwhile.
+      subscription.then((connection) => { connection.close() }).catch(ignore)
       return
     }
-    void subscription.then((connection) => connection.unsubscribe(channel)).catch(() => {})
+    subscription.then((connection) => connection.unsubscribe(channel)).catch(ignore)
   }
 
   async inspect (key: string): Promise<StoredState> {
@@ -303,7 +310,7 @@ export class RedisStorage implements IdempotencyStorage {
     if (!this.#followsClient) {
       this.#followsClient = driver.onClientEnd(() => {
         this.#followsClient = false
-        void this.close()
+        this.close().catch(ignore)
       })
     }
     return await driver.subscribe({
