@@ -66,3 +66,20 @@ export async function beforeAbort<T> (promise: Promise<T>, signal: AbortSignal |
 export function messageOf (error: unknown): string {
   return (error instanceof Error ? error.message : String(error)).split('\n')[0]!.trim()
 }
+
+/**
+ * A driver's message as a person reads it: knex writes the statement (with its values) in front
+ * of it, ` - ` between them, and a statement of several lines leaves the driver's message alone on
+ * the last line. Anything else: the message's first line.
+ */
+export function driverReason (error: unknown): string {
+  const message = String((error as { message?: unknown } | null)?.message ?? error).trim()
+  const lines = message.split('\n')
+  const last = lines[lines.length - 1]!
+  const cut = last.lastIndexOf(' - ')
+  if (cut === -1 || !STATEMENT.test(lines[0]!)) return lines[0]!.trim()
+  return last.slice(cut + 3).trim()
+}
+
+/** How a statement knex put in front of a message begins. */
+const STATEMENT = /^\s*(?:select|insert|update|delete|with|create|drop|alter|lock|begin|commit|rollback|savepoint|release|set)\b/i

@@ -11,7 +11,7 @@
  */
 import { randomBytes } from 'node:crypto'
 import type { Knex } from 'knex'
-import { beforeAbort, failed, passed } from '../proof.js'
+import { beforeAbort, driverReason, failed, passed } from '../proof.js'
 import type { StoreCheck, StoreProofOptions } from '../types.js'
 import type { Dialect } from './dialect.js'
 
@@ -30,20 +30,10 @@ export interface DriverFailure {
   errno: number | undefined
 }
 
-/**
- * knex writes the statement (with its values) in front of the driver's message, ` - ` between
- * them; a statement of several lines leaves the driver's message on the last line.
- */
+/** A driver's error: the server's words (`driverReason`), and its code. */
 export function driverFailure (error: unknown): DriverFailure {
-  const { code, errno, message } = (error ?? {}) as { code?: unknown, errno?: unknown, message?: unknown }
-  const lines = String(message ?? error).trim().split('\n')
-  const last = lines[lines.length - 1]!
-  const cut = last.lastIndexOf(' - ')
-  return {
-    reason: (cut === -1 ? last : last.slice(cut + 3)).trim(),
-    code: typeof code === 'string' ? code : undefined,
-    errno: typeof errno === 'number' ? errno : undefined
-  }
+  const { code, errno } = (error ?? {}) as { code?: unknown, errno?: unknown }
+  return { reason: driverReason(error), code: typeof code === 'string' ? code : undefined, errno: typeof errno === 'number' ? errno : undefined }
 }
 
 /** The server refused a statement on a privilege. */

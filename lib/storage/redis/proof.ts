@@ -121,7 +121,9 @@ class Proof {
 
   /** Remove the probe and the proof's subscriber; what cannot be removed expires. */
   async cleanUp (): Promise<void> {
-    await Promise.resolve().then(() => this.#driver.call('del', this.#key, [])).catch(() => {})
+    const deleted = Promise.resolve().then(() => this.#driver.call('del', this.#key, []))
+    // Not past the proof's time (a client that cannot reach Redis queues it): the probe expires.
+    await beforeAbort(deleted, this.#options.signal, 'DEL').catch(() => {})
     const subscription = await this.#subscription?.catch(() => undefined)
     subscription?.close()
   }
