@@ -104,6 +104,20 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     expect(app.error).not.toContain('\n')
   })
 
+  it('a user with the ACL docs/stores/redis.md gives passes every check, and serves', async () => {
+    const name = `user${++users}`
+    // As the page writes it (the rules after the password).
+    await admin.call('ACL', 'SETUSER', name, 'on', '>secret', 'resetkeys', '~idempotency:*', 'resetchannels', '&idempotency:*', '-@all', '+@connection', '+set', '+get', '+getrange', '+setrange', '+del', '+pexpire', '+pttl', '+scan', '+eval', '+evalsha', '+publish', '+subscribe', '+unsubscribe', '+info')
+    const client = new Redis({ port: server.port, username: name, password: 'secret', maxRetriesPerRequest: 1 })
+    clients.push(client)
+    const store = new RedisStorage({ client })
+    const checks = await store.prove({ wait: true })
+    expect(checks.filter((check) => check.outcome !== 'passed')).toEqual([])
+    const app = await started(store, { wait: true })
+    expect(app.error).toBeNull()
+    expect((await app.post(newKey())).status).toBe(201)
+  })
+
   it('a user that may not run a command a script runs fails the start, naming the script', async () => {
     const app = await started(storage(await userClient('-setrange')), { wait: true })
     expect(app.error).toMatch(/RedisStorage: EVAL of the wait-mark script failed: .*can't run this command.*: the script runs GETRANGE and SETRANGE/)

@@ -116,8 +116,9 @@ export class NodeRedisDriver implements RedisDriver {
    * cluster's `connect` once it knows its slots).
    */
   async whenReady (signal?: AbortSignal): Promise<void> {
-    const client = (this.#client ?? this.#cluster!) as unknown as { isReady: boolean, isOpen: boolean, on: (event: string, listener: () => void) => unknown, off: (event: string, listener: () => void) => unknown }
-    if (client.isReady) return
+    const client = (this.#client ?? this.#cluster!) as unknown as { isReady?: boolean, isOpen: boolean, on: (event: string, listener: () => void) => unknown, off: (event: string, listener: () => void) => unknown }
+    // A node-redis 5 cluster has no isReady: open is as much as it says.
+    if (client.isReady ?? client.isOpen) return
     await untilReady(client, [this.#client === null ? 'connect' : 'ready'], signal, this.family, () => client.isOpen)
   }
 
