@@ -5,7 +5,6 @@
  * break the promise (a user without EVALSHA, an evicting policy), the shared PostgreSQL and a role
  * granted SELECT only, and MariaDB; as the bin runs it, and in process.
  */
-import { spawn } from 'node:child_process'
 import { mkdirSync, rmSync, writeFileSync } from 'node:fs'
 import { join, resolve } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
@@ -16,6 +15,7 @@ import { createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service } from './helpers/services.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 import { scaled } from './helpers/pace.js'
+import { commandProcess, type CommandRun } from './helpers/command.js'
 
 const root = resolve(import.meta.dirname, '..')
 const work = join(root, '.tmp', `doctor-${process.pid}`)
@@ -44,18 +44,7 @@ export default () => {
 const configFile = join(work, 'doctor.config.ts')
 writeFileSync(configFile, CONFIG)
 
-interface Run { code: number | null, stdout: string, stderr: string }
-
-/** The command as its bin runs it. */
-async function bin (args: string[], env: Record<string, string>): Promise<Run> {
-  const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'lib/cli/main.ts'), ...args], { cwd: root, env: { ...process.env, ...env }, stdio: ['ignore', 'pipe', 'pipe'] })
-  let stdout = ''
-  let stderr = ''
-  child.stdout.on('data', (chunk: Buffer) => { stdout += chunk.toString() })
-  child.stderr.on('data', (chunk: Buffer) => { stderr += chunk.toString() })
-  const code = await new Promise<number | null>((resolve) => child.once('close', resolve))
-  return { code, stdout, stderr }
-}
+type Run = CommandRun
 
 /** The command in this process, with `env` as the config module reads it. */
 async function inProcess (args: string[], env: Record<string, string>): Promise<Run> {
@@ -132,7 +121,7 @@ describe.skipIf(!own.available)(`doctor on a Redis of the test's own${own.reason
   })
 
   it('as the bin runs it: a Redis that cannot be reached is one failed check, exit 1', async () => {
-    const run = await bin(['doctor', '--config', configFile, '--timeout', '10s'], { ...env('app'), DOCTOR_PORT: '1' })
+    const run = await commandProcess(['doctor', '--config', configFile, '--timeout', '10s'], { ...env('app'), DOCTOR_PORT: '1' })
     expect(run.code).toBe(1)
     expect(run.stdout).toMatch(/^FAILED {4}connection +Redis cannot be reached through the ioredis client: .*\n +cure: check that Redis runs/m)
   }, scaled(30_000))

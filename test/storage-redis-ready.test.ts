@@ -6,32 +6,19 @@
  */
 import { createServer } from 'node:net'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
-import Fastify from 'fastify'
 import { Redis, ReplyError } from 'ioredis'
-import idempotency, { type IdempotencyStorage } from '../lib/index.js'
+import type { IdempotencyStorage } from '../lib/index.js'
 import { RedisStorage } from '../lib/redis.js'
 import { REDIS, service } from './helpers/services.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 import { scaled } from './helpers/pace.js'
+import { startError as startWith } from './helpers/start-error.js'
 
 const redis = await service(REDIS)
 const own = redisClusterAvailability()
 const PREFIX = `test:redis-ready:${process.pid}:${Date.now()}:`
 
-/** What `app.ready()` of an app on `storage` says: null when it starts. */
-async function startError (storage: IdempotencyStorage): Promise<string | null> {
-  const app = Fastify()
-  await app.register(idempotency, { storage, storeTimeout: '10s' })
-  app.post('/orders', { config: { idempotency: true } }, async () => ({ ok: true }))
-  try {
-    await app.ready()
-    return null
-  } catch (error) {
-    return (error as Error).message
-  } finally {
-    await app.close()
-  }
-}
+const startError = async (storage: IdempotencyStorage): Promise<string | null> => await startWith(storage, { storeTimeout: '10s' })
 
 /** A client that answers every command with `error`, as a server that refuses it does (the Cluster path: the client's methods). */
 function refusing (error: Error): RedisStorage {

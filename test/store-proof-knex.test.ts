@@ -10,28 +10,12 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import knexFactory, { type Knex } from 'knex'
-import Fastify from 'fastify'
-import idempotency from '../lib/index.js'
 import { KnexStorage, createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
+import { startError } from './helpers/start-error.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service } from './helpers/services.js'
 
 const [postgres, mariadb] = await Promise.all([service(POSTGRES), service(MARIADB)])
 const stamp = `${process.pid}_${Date.now().toString(36)}`
-
-/** What `app.ready()` of an app on `storage` says: null when it starts. */
-async function startError (storage: KnexStorage): Promise<string | null> {
-  const app = Fastify()
-  await app.register(idempotency, { storage })
-  app.post('/orders', { config: { idempotency: true } }, async () => ({ ok: true }))
-  try {
-    await app.ready()
-    return null
-  } catch (error) {
-    return (error as Error).message
-  } finally {
-    await app.close()
-  }
-}
 
 describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL roles of the test's own${postgres.reason}`, () => {
   const admin = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 2 } })
