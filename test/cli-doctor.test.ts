@@ -27,9 +27,11 @@ const CONFIG = `import knex from 'knex'
 import { Redis } from 'ioredis'
 import { RedisStorage } from '../../lib/redis.js'
 import { KnexStorage } from '../../lib/knex.js'
+import { MemoryStorage } from '../../lib/index.js'
 
 export default () => {
   const env = process.env
+  if (env.DOCTOR_STORE === 'memory') return { storage: new MemoryStorage() }
   const opened = ((globalThis as { doctorClients?: Array<{ disconnect?: () => void, destroy?: () => Promise<void> }> }).doctorClients ??= [])
   if (env.DOCTOR_STORE === 'redis') {
     const client = new Redis({ port: Number(env.DOCTOR_PORT), username: env.DOCTOR_USER, password: env.DOCTOR_PASSWORD, maxRetriesPerRequest: 1 })
@@ -125,6 +127,11 @@ describe.skipIf(!own.available)(`doctor on a Redis of the test's own${own.reason
     expect(run.code).toBe(1)
     expect(run.stdout).toMatch(/^FAILED {4}connection +Redis cannot be reached through the ioredis client: .*\n +cure: check that Redis runs/m)
   }, scaled(30_000))
+})
+
+it('doctor on a store without a start-up check says there is nothing to prove, exit 0', async () => {
+  const run = await inProcess(['doctor'], { DOCTOR_STORE: 'memory' })
+  expect(run).toEqual({ code: 0, stdout: 'MemoryStorage has no start-up check (neither prove() nor ready()): nothing to prove\n', stderr: '' })
 })
 
 describe.skipIf(!postgres.available)(`doctor on PostgreSQL${postgres.reason}`, () => {

@@ -95,9 +95,8 @@ function redisTarget (): Target {
     env: { CLI_STORE: 'redis', CLI_PREFIX: prefix },
     create: () => new RedisStorage({ client, prefix }),
     dump: async () => {
-      // Not the probe the app's start-up check leaves for a second (RedisStorage.ready): it
-      // expires by itself, between the two dumps when this test runs first.
-      const keys = (await client.keys(`${prefix}*`)).filter((key) => !key.endsWith('ready-probe')).sort()
+      // Not a probe of the app's start-up check (RedisStorage.prove), which deletes it as it ends.
+      const keys = (await client.keys(`${prefix}*`)).filter((key) => !key.includes('{%probe:')).sort()
       return JSON.stringify(await Promise.all(keys.map(async (key) => [key, (await client.getBuffer(key))?.toString('base64')])))
     },
     cleanup: async () => {

@@ -61,6 +61,13 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
     expect(await admin(table).count({ n: '*' })).toEqual([{ n: '0' }])
   })
 
+  it('a connection given as a function (only knex\'s pool knows it) is proven through the pool', async () => {
+    const knex = knexFactory({ client: 'pg', connection: async () => pgConnection })
+    instances.push(knex)
+    const checks = await new KnexStorage({ knex, tableName: table }).prove({ wait: false })
+    expect(checks.map((check) => `${check.name} ${check.outcome}`)).toEqual(['connection passed', 'table passed', 'SELECT passed', 'INSERT passed', 'UPDATE passed', 'DELETE passed'])
+  })
+
   it('createTable on a role without CREATE on the schema fails with the server\'s reason, not the statement\'s first line', async () => {
     const error = await startError(await as('', { tableName: `proof_new_${stamp}`, createTable: true }))
     expect(error).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the table "proof_new_${stamp}" cannot be created: permission denied for schema public (42501): ` +

@@ -118,6 +118,11 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     expect((await app.post(newKey())).status).toBe(201)
   })
 
+  it('a user that may not PEXPIRE (a renewal on a full Redis) fails the start, naming it', async () => {
+    const app = await started(storage(await userClient('-pexpire')))
+    expect(app.error).toMatch(/RedisStorage: PEXPIRE was refused: NOPERM .*: allow PEXPIRE in the ACL of the client's Redis user \(\+pexpire\): a lease is renewed this way when Redis is full/)
+  })
+
   it('a user that may not run a command a script runs fails the start, naming the script', async () => {
     const app = await started(storage(await userClient('-setrange')), { wait: true })
     expect(app.error).toMatch(/RedisStorage: EVAL of the wait-mark script failed: .*can't run this command.*: the script runs GETRANGE and SETRANGE/)

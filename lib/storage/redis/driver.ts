@@ -133,10 +133,7 @@ export async function untilReady (client: Emitter, settled: readonly string[], s
   }
 }
 
-/** A multi-node reply of a client (GLIDE's `{ key, value }` pairs or record, one value otherwise) as each node's value. */
+/** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's value. */
 export function nodeReplies (reply: unknown): unknown[] {
-  if (Array.isArray(reply) && reply.every((item) => item !== null && typeof item === 'object' && 'key' in item && 'value' in item)) {
-    return reply.map((item: { value: unknown }) => item.value)
-  }
-  return [reply]
+  return (reply as Array<{ value: unknown }>).map((item) => item.value)
 }
