@@ -265,6 +265,25 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     expect((await app.post(newKey())).status).toBe(201)
   })
 
+  it('ioredis with lazyConnect and no offline queue, in wait mode: the app starts, and a waiting duplicate is woken', async () => {
+    const client = new Redis({ port: server.port, lazyConnect: true, enableOfflineQueue: false })
+    clients.push(client)
+    const store = storage(client)
+    const gate = new Gate()
+    const app = await started(store, { wait: true, waitTimeout: '60s', storeTimeout: '5s' }, gate)
+    expect(app.error).toBeNull()
+    expect(app.logs.filter((line) => line.msg.includes('PUBLISH'))).toEqual([])
+    const key = newKey()
+    const first = app.post(key)
+    await gate.entered
+    const duplicate = app.post(key)
+    const redisKey = store.redisKey(key)
+    while (await admin.getrange(redisKey, 37, 37) !== 'W') await new Promise((resolve) => setImmediate(resolve))
+    gate.open()
+    expect((await first).status).toBe(201)
+    expect(await duplicate).toMatchObject({ status: 201, replayed: true })
+  })
+
   it('node-redis whose connect() has not resolved when the app starts is waited for; one never connected is said to be', async () => {
     const client = createClient({ socket: { port: server.port } })
     const connecting = client.connect()

@@ -57,6 +57,19 @@ function commandClassOf (client: Redis): CommandClass | null {
   return typeof queued?.constructor === 'function' ? queued.constructor as CommandClass : null
 }
 
+/**
+ * Resolves once `client` emits one of `settled` (see `untilReady`). ioredis reports a connection
+ * only through its status and events; a client made with `lazyConnect` (status `wait`) connects
+ * on its first command, so it is asked to now, as that command would. `end`: it gave up for good,
+ * and its next command says so.
+ */
+async function connected (client: IoredisClient, settled: readonly string[], signal: AbortSignal | undefined, family: string): Promise<void> {
+  const { status } = client as { status: string }
+  if (status === 'ready' || status === 'end') return
+  if (status === 'wait') client.connect().catch(() => {})
+  await untilReady(client, settled, signal, family)
+}
+
 export class IoredisDriver implements RedisDriver {
   readonly family: string
   readonly cluster: boolean
@@ -95,16 +108,8 @@ export class IoredisDriver implements RedisDriver {
     return await Promise.all(servers.map((server) => server.call(args[0]!, ...args.slice(1))))
   }
 
-  /**
-   * ioredis reports a connection only through its status and events. A client made with
-   * `lazyConnect` (status `wait`) connects on its first command; it is asked to now, as that
-   * command would. `end`: it gave up for good, and the next command says so.
-   */
   async whenReady (signal?: AbortSignal): Promise<void> {
-    const client = this.#client as IoredisClient & { status: string }
-    if (client.status === 'ready' || client.status === 'end') return
-    if (client.status === 'wait') client.connect().catch(() => {})
-    await untilReady(client, ['ready', 'end'], signal, this.family)
+    await connected(this.#client, ['ready', 'end'], signal, this.family)
   }
 
   /** Send `name` with `args`; string replies come back as Buffers (or null). */
@@ -151,9 +156,10 @@ export class IoredisDriver implements RedisDriver {
     // Its errors must not go unhandled; the end of the connection says what matters.
     connection.on('error', () => {})
     connection.on('end', () => { if (!closed) events.lost(new Error('RedisStorage: subscriber connection ended')) })
-    // Without an offline queue, a SUBSCRIBE sent while it connects would fail at once: it is sent
-    // once the connection is ready, or has failed (then SUBSCRIBE says why, and waits poll).
-    if (connection.options.enableOfflineQueue === false) await untilReady(connection, ['ready', 'end', 'error'], undefined, this.family)
+    // Without an offline queue, a SUBSCRIBE sent while it connects would fail at once (and a
+    // duplicate of a lazyConnect client would never connect): it is sent once the connection is
+    // ready, or has failed (then SUBSCRIBE says why, and waits poll).
+    if (connection.options.enableOfflineQueue === false) await connected(connection, ['ready', 'end', 'error'], undefined, this.family)
     return {
       subscribe: async (channel) => { await connection.subscribe(channel) },
       unsubscribe: async (channel) => { await connection.unsubscribe(channel) },

@@ -124,8 +124,8 @@ class Proof {
     const deleted = Promise.resolve().then(() => this.#driver.call('del', this.#key, []))
     // Not past the proof's time (a client that cannot reach Redis queues it): the probe expires.
     await beforeAbort(deleted, this.#options.signal, 'DEL').catch(() => {})
-    const subscription = await this.#subscription?.catch(() => undefined)
-    subscription?.close()
+    // A subscriber still connecting is closed once it has connected: the proof does not wait.
+    this.#subscription?.then((subscription) => { subscription.close() }).catch(() => {})
   }
 
   /** A lease on the probe, as begin takes one: its token, or `null` when refused (said). */
