@@ -14,6 +14,8 @@ import idempotency, { MemoryStorage, type IdempotencyOptions, type IdempotencySt
 import { proveStore } from '../lib/engine/store-proof.js'
 import { beforeAbort, driverReason, proofFailure, ProofAbortedError } from '../lib/storage/proof.js'
 import { redisKeyOf, storageKeyOf } from '../lib/storage/redis/keys.js'
+import { untilReady } from '../lib/storage/redis/driver.js'
+import { EventEmitter } from 'node:events'
 import { startError } from './helpers/start-error.js'
 
 /** A MemoryStorage that proves itself as `prove` says, and records what it was asked. */
@@ -122,6 +124,25 @@ describe('what the stores\' proofs share', () => {
     expect(driverReason(new Error('select 1 - relation "t" does not exist'))).toBe('relation "t" does not exist')
     expect(driverReason(new Error('An error was signalled by the server - NOPERM\nmore'))).toBe('An error was signalled by the server - NOPERM')
     expect(driverReason('connect ECONNREFUSED')).toBe('connect ECONNREFUSED')
+  })
+
+  it('a Redis client still connecting is waited for until ready, or said to be still connecting (or never connected) when the time is up', async () => {
+    const stop = new AbortController()
+    const client = new EventEmitter()
+    const waiting = untilReady(client, ['ready'], stop.signal, 'ioredis')
+    client.emit('error', new Error('connect ECONNREFUSED 127.0.0.1:1'))
+    stop.abort()
+    await expect(waiting).rejects.toThrow('the ioredis client was still connecting when the time was up (its last error: connect ECONNREFUSED 127.0.0.1:1)')
+    expect(client.listenerCount('error') + client.listenerCount('ready')).toBe(0)
+    await expect(untilReady(new EventEmitter(), ['ready'], stop.signal, 'node-redis', () => false)).rejects.toThrow('the node-redis client was never connected: call its connect() before the app starts')
+    // A client with the older name for removing a listener only.
+    const older = new EventEmitter()
+    const { on, removeListener } = older
+    const bare = { on: on.bind(older), removeListener: removeListener.bind(older) }
+    const ready = untilReady(bare, ['ready'], undefined, 'ioredis')
+    older.emit('ready')
+    await ready
+    expect(older.listenerCount('ready')).toBe(0)
   })
 
   it('a Redis probe key is no idempotency key: listings skip it', () => {
