@@ -109,7 +109,7 @@ class Proof {
     const endedFirst = await this.#run(END_LEASE, 'eval', [fenceOf(first)], 1)
     const second = endedFirst === null ? null : await this.#lease('SET … PX … NX GET (again)')
     if (second === null) return
-    const markedSecond = wait && await this.#run(MARK_WAITING, 'evalsha', [], 1) !== null
+    const markedSecond = markedFirst && await this.#run(MARK_WAITING, 'evalsha', [], 1) !== null
     if (markedSecond) this.#passed(MARK_WAITING)
     const entry = encodeEntry(PROBE_FINGERPRINT, { statusCode: 200, contentType: null, headers: {}, body: Buffer.alloc(0) }, Date.now())
     const endedSecond = await this.#run(END_LEASE, 'evalsha', [fenceOf(second), entry, String(PROBE_MS)], 1)
