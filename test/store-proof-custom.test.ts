@@ -16,7 +16,7 @@ import { beforeAbort, driverReason, proofFailure, ProofAbortedError } from '../l
 import { redisKeyOf, storageKeyOf } from '../lib/storage/redis/keys.js'
 import { untilReady } from '../lib/storage/redis/driver.js'
 import { EventEmitter } from 'node:events'
-import { startError } from './helpers/start-error.js'
+import { readyError, startError } from './helpers/start-error.js'
 
 /** A MemoryStorage that proves itself as `prove` says, and records what it was asked. */
 function proving (prove: (options: StoreProofOptions) => Promise<StoreCheck[]>): MemoryStorage & { asked: StoreProofOptions[] } {
@@ -90,14 +90,7 @@ describe('the start-up proof, for any store', () => {
       const app = Fastify()
       await app.register(idempotency, options)
       await app.register(fp(async (child) => { await child.register(idempotency, options) }, { encapsulate: true }))
-      try {
-        await app.ready()
-        return null
-      } catch (error) {
-        return (error as Error).message
-      } finally {
-        await app.close()
-      }
+      return await readyError(app)
     }
     expect(await twice()).toMatch(/MemoryStorage: down: start it/)
     expect(store.asked).toHaveLength(1)

@@ -98,6 +98,16 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
 
   const storage = (client: RedisStorageOptions['client'], options: Partial<RedisStorageOptions> = {}): RedisStorage => new RedisStorage({ client, prefix: PREFIX, ...options })
 
+  /** A first request held by `gate`, and its duplicate, once it waits: it has marked the lease (its waiters byte is W). */
+  async function waitingDuplicate (app: Started, store: RedisStorage, gate: Gate): Promise<{ first: ReturnType<Started['post']>, duplicate: ReturnType<Started['post']> }> {
+    const key = newKey()
+    const first = app.post(key)
+    await gate.entered
+    const duplicate = app.post(key)
+    while (await admin.getrange(store.redisKey(key), 37, 37) !== 'W') await new Promise((resolve) => setImmediate(resolve))
+    return { first, duplicate }
+  }
+
   it('a user that may EVAL but not EVALSHA fails the start, naming EVALSHA, the server\'s words and the cure', async () => {
     const app = await started(storage(await userClient('-evalsha')))
     expect(app.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: EVALSHA of the renew script was refused: NOPERM .*evalsha.*: allow EVAL and EVALSHA in the ACL of the client's Redis user \(\+eval \+evalsha\)/)
@@ -176,13 +186,7 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     process.on('warning', onWarning)
     try {
       await admin.call('ACL', 'SETUSER', name, '-publish')
-      const key = newKey()
-      const first = app.post(key)
-      await gate.entered
-      const duplicate = app.post(key)
-      // The duplicate waits once it has marked the lease: its waiters byte is W.
-      const redisKey = store.redisKey(key)
-      while (await admin.getrange(redisKey, 37, 37) !== 'W') await new Promise((resolve) => setImmediate(resolve))
+      const { first, duplicate } = await waitingDuplicate(app, store, gate)
       const opened = Date.now()
       gate.open()
       expect((await first).status).toBe(201)
@@ -273,12 +277,7 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     const app = await started(store, { wait: true, waitTimeout: '60s', storeTimeout: '5s' }, gate)
     expect(app.error).toBeNull()
     expect(app.logs.filter((line) => line.msg.includes('PUBLISH'))).toEqual([])
-    const key = newKey()
-    const first = app.post(key)
-    await gate.entered
-    const duplicate = app.post(key)
-    const redisKey = store.redisKey(key)
-    while (await admin.getrange(redisKey, 37, 37) !== 'W') await new Promise((resolve) => setImmediate(resolve))
+    const { first, duplicate } = await waitingDuplicate(app, store, gate)
     gate.open()
     expect((await first).status).toBe(201)
     expect(await duplicate).toMatchObject({ status: 201, replayed: true })
