@@ -30,7 +30,7 @@ function layerRules () {
     'http/': ['engine/', 'fingerprint/', 'storage/', 'errors.js', 'options.js', 'diagnostics.js', 'encryption.js'],
     'run/': ['engine/', 'fingerprint/', 'storage/', 'operations/', 'errors.js', 'options.js', 'diagnostics.js', 'encryption.js'],
     'operations/': ['engine/', 'fingerprint/', 'storage/', 'errors.js', 'options.js', 'diagnostics.js', 'http/key.js'],
-    'cli/': ['operations/', 'engine/time-limit.js', 'errors.js', 'options.js']
+    'cli/': ['operations/', 'engine/time-limit.js', 'engine/store-proof.js', 'storage/proof.js', 'errors.js', 'options.js']
   }
   const escape = (text) => text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')
   return Object.entries(layers).flatMap(([folder, allowed]) => [1, 2].map((depth) => {

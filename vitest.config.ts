@@ -9,6 +9,12 @@ if (Number(process.versions.node.split('.')[0]) < 22) {
   process.env.NODE_OPTIONS = `${process.env.NODE_OPTIONS ?? ''} --require "${driver}"`.trim()
 }
 
+// The suite's guard in every process a test starts (test/helpers/guard-child.cjs, and
+// test/setup/guard.ts in the test processes): an unhandled rejection or an uncaught exception
+// there fails the test that started it.
+const guard = fileURLToPath(new URL('./test/helpers/guard-child.cjs', import.meta.url))
+process.env.NODE_OPTIONS = `${process.env.NODE_OPTIONS ?? ''} --require "${guard}"`.trim()
+
 // How slow the machine is, measured once for the run and handed to the test files
 // (test/helpers/pace.ts): every time limit is scaled by it.
 process.env.IDEMPOTENCY_TEST_START_MS ??= String(Math.round(childStartMs()))
@@ -31,6 +37,7 @@ const RUNTIME_INDEPENDENT = [
 export default defineConfig({
   test: {
     include: ['test/**/*.test.ts'],
+    setupFiles: ['test/setup/guard.ts'],
     exclude: [...configDefaults.exclude, ...(process.env.IDEMPOTENCY_TESTS === 'runtime' ? RUNTIME_INDEPENDENT : [])],
     // Two files at a time, whatever the machine (vitest's default on 2 cores is one): the suite
     // spends most of its time waiting on leases, timers, servers and child processes. On a quiet

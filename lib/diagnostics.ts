@@ -126,3 +126,25 @@ const operations: readonly IdempotencyOperation[] = ['inspect', 'forget', 'in-fl
 export const operationChannels = Object.fromEntries(
   operations.map((operation) => [operation, diagnostics.channel(`${CHANNEL_PREFIX}operation:${operation}`)])
 ) as Record<IdempotencyOperation, diagnostics.Channel>
+
+/**
+ * One check of a store's start-up proof, as the plugin reports it when the app starts (and the
+ * `doctor` command when it runs): what was checked, its outcome, what it found, and the cure.
+ */
+export interface IdempotencyStoreCheckEvent {
+  /** The storage class, e.g. `RedisStorage`. */
+  store: string
+  /** What was checked: `'eviction policy'`, `'EVALSHA'`, `'DELETE'`… */
+  check: string
+  /** `passed`, `failed` (the app does not start), or `warning` (it starts, and says so). */
+  outcome: 'passed' | 'failed' | 'warning'
+  /** What the check found: on a failure, the server's own words. */
+  found: string
+  /** What to do about it, when it did not pass. */
+  cure?: string
+  /** Where from: `'app'` (the plugin, as the app starts) or `'command'` (`doctor`). */
+  via: 'app' | 'command'
+}
+
+/** `fastify-idempotency:store-check`: each check of a store's start-up proof. */
+export const storeCheckChannel = diagnostics.channel(`${CHANNEL_PREFIX}store-check`)

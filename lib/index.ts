@@ -58,7 +58,9 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
   const settings = normalizeOptions(options, options.storage ?? ownStorage!)
   const closeTimeout = closeTimeoutOption(options.closeTimeout, fastify.initialConfig.pluginTimeout ?? 0)
   const guard = registerIn(fastify)
-  if (settings.checkStore) checkStoreWhenReady(fastify, settings.storage, settings.defaults.storeTimeout)
+  // Whether any route waits for keys in flight: the store's signal is then proven at start too.
+  let waits = settings.defaults.waitTimeout > 0
+  if (settings.checkStore) checkStoreWhenReady(fastify, settings.storage, settings.defaults.storeTimeout, () => waits)
   // A second registration (in another encapsulated context, say) shares the decoration.
   if (!fastify.hasRequestDecorator(kState as unknown as string)) {
     fastify.decorateRequest(kState as unknown as string, null)
@@ -82,6 +84,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     const name = routeName(routeOptions)
     const route = routeSettings(settings, config, name)
     if (route === null) return
+    if (route.waitTimeout > 0) waits = true
     const safe = methods.filter((method) => SAFE_METHODS.has(method))
     if (safe.length === methods.length) {
       // Fastify's automatic HEAD route of a GET route comes here too, with the GET's config.
@@ -159,8 +162,8 @@ export {
   StoreTimeoutError
 } from './error-causes.js'
 export type { ErrorHandler, IdempotencyErrorHandlerOptions, IdempotencyProblem } from './error-handler.js'
-export { CHANNEL_PREFIX, channels, operationChannels } from './diagnostics.js'
-export type { IdempotencyEvent, IdempotencyOperation, IdempotencyOperationEvent, IdempotencyOutcome } from './diagnostics.js'
+export { CHANNEL_PREFIX, channels, operationChannels, storeCheckChannel } from './diagnostics.js'
+export type { IdempotencyEvent, IdempotencyOperation, IdempotencyOperationEvent, IdempotencyOutcome, IdempotencyStoreCheckEvent } from './diagnostics.js'
 export { IdempotencyOperationNotSupportedError } from './operations/index.js'
 export type {
   ForgetOptions,
@@ -202,6 +205,8 @@ export type {
   StorageForgetOptions,
   StoragePurgeOptions,
   StorageForgetResult,
+  StoreCheck,
+  StoreProofOptions,
   TransactionalStorage,
   TransactionOptions
 } from './storage/types.js'

@@ -6,7 +6,7 @@
  * could send, a store that is down) ends with a clear message on stderr, a non-zero exit, and the
  * store as it was.
  */
-import { spawn, spawnSync } from 'node:child_process'
+import { spawnSync } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
@@ -23,6 +23,7 @@ import { runCommand, type CommandIO } from '../lib/cli/run.js'
 import { MARIADB, POSTGRES, REDIS, deleteRedisPrefix, mysqlConnection, pgConnection, service } from './helpers/services.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 import { postWithKey } from './helpers/http-client.js'
+import { commandProcess, type CommandRun as Run } from './helpers/command.js'
 import { scaled } from './helpers/pace.js'
 
 /** Node 22.18 and later (and 23.6) load TypeScript modules themselves, without tsx. */
@@ -57,18 +58,8 @@ export default { storage: storage(), encryption: { keys: [env.CLI_KEY!], keyHash
 const configFile = join(work, 'config.ts')
 writeFileSync(configFile, CONFIG)
 
-interface Run { code: number | null, stdout: string, stderr: string }
-
 /** The command as a child process, as its bin runs it. */
-async function command (args: string[], env: Record<string, string>): Promise<Run> {
-  const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'lib/cli/main.ts'), ...args], { cwd: root, env: { ...process.env, ...env }, stdio: ['ignore', 'pipe', 'pipe'] })
-  let stdout = ''
-  let stderr = ''
-  child.stdout.on('data', (chunk: Buffer) => { stdout += chunk.toString() })
-  child.stderr.on('data', (chunk: Buffer) => { stderr += chunk.toString() })
-  const code = await new Promise<number | null>((resolve) => child.once('close', resolve))
-  return { code, stdout, stderr }
-}
+const command = commandProcess
 
 /** A port nothing listens on. */
 async function closedPort (): Promise<number> {
@@ -104,9 +95,8 @@ function redisTarget (): Target {
     env: { CLI_STORE: 'redis', CLI_PREFIX: prefix },
     create: () => new RedisStorage({ client, prefix }),
     dump: async () => {
-      // Not the probe the app's start-up check leaves for a second (RedisStorage.ready): it
-      // expires by itself, between the two dumps when this test runs first.
-      const keys = (await client.keys(`${prefix}*`)).filter((key) => !key.endsWith('ready-probe')).sort()
+      // Not a probe of the app's start-up check (RedisStorage.prove), which deletes it as it ends.
+      const keys = (await client.keys(`${prefix}*`)).filter((key) => !key.includes('{%probe:')).sort()
       return JSON.stringify(await Promise.all(keys.map(async (key) => [key, (await client.getBuffer(key))?.toString('base64')])))
     },
     cleanup: async () => {

@@ -98,7 +98,7 @@ describe('KnexStorage at start-up, when the database cannot be used', () => {
   it.skipIf(knexTargets()[0]!.availability.available !== true)('a database that does not exist fails app.ready() with the server\'s words (PostgreSQL)', async () => {
     const app = await start({ storage: new KnexStorage({ knex: connect({ client: 'pg', connection: { ...pgConnection, database: `missing_${process.pid}` } }) }) })
     const error = await app.ready.then(() => null, (failure: Error) => failure)
-    expect(error?.message).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the database cannot be used: database "missing_${process.pid}" does not exist (3D000) (checkStore: false starts the app anyway)`)
+    expect(error?.message).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the database cannot be used: database "missing_${process.pid}" does not exist (3D000): check that the database runs, and the connection settings knex was given (host, port, user, password, database) (checkStore: false starts the app anyway)`)
   })
 
   it('a store whose check does not answer is given up on at storeTimeout; a store without a check starts as before', async () => {

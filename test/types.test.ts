@@ -55,12 +55,31 @@ import idempotency, {
   type StorageForgetResult,
   type StoredInspection,
   type StoredResponse,
-  type StoredState
+  type StoredState,
+  storeCheckChannel,
+  type IdempotencyStoreCheckEvent,
+  type StoreCheck,
+  type StoreProofOptions
 } from '../lib/index.js'
-import { transactionOf } from '../lib/knex.js'
+import { KnexStorage, transactionOf } from '../lib/knex.js'
+import { RedisStorage, type RedisStorageOptions } from '../lib/redis.js'
 import type { Knex } from 'knex'
 
 describe('public types', () => {
+  it('the start-up proof: a store\'s checks, its options, the event and the option to accept eviction', () => {
+    expectTypeOf<IdempotencyStorage['prove']>().toEqualTypeOf<((options: StoreProofOptions) => Promise<StoreCheck[]>) | undefined>()
+    expectTypeOf<StoreCheck['outcome']>().toEqualTypeOf<'passed' | 'failed' | 'warning'>()
+    expectTypeOf<StoreProofOptions>().toEqualTypeOf<{ wait: boolean, signal?: AbortSignal }>()
+    expectTypeOf<IdempotencyStoreCheckEvent['via']>().toEqualTypeOf<'app' | 'command'>()
+    expectTypeOf(storeCheckChannel.publish).toBeFunction()
+    expectTypeOf<RedisStorageOptions['allowEviction']>().toEqualTypeOf<boolean | undefined>()
+    expectTypeOf<RedisStorage['prove']>().returns.resolves.toEqualTypeOf<StoreCheck[]>()
+    expectTypeOf<KnexStorage['ready']>().parameter(0).toEqualTypeOf<Partial<StoreProofOptions> | undefined>()
+    // @ts-expect-error: outcome is one of three words
+    const wrong: StoreCheck = { name: 'x', outcome: 'ok', found: 'x' }
+    expectTypeOf(wrong).not.toBeAny()
+  })
+
   it('exports the plugin as default and as `idempotency`', () => {
     expectTypeOf(named).toEqualTypeOf(idempotency)
   })

@@ -6,7 +6,7 @@
 import { parseArgs } from 'node:util'
 import { NO_CALLER_SCOPE } from '../operations/index.js'
 
-export type CommandName = 'inspect' | 'forget' | 'in-flight' | 'purge'
+export type CommandName = 'inspect' | 'forget' | 'in-flight' | 'purge' | 'doctor'
 
 export interface Command {
   name: CommandName
@@ -37,6 +37,8 @@ Commands:
                      (exit 3 when nothing was there, 4 when it is in flight and --force is not given)
   in-flight          the keys held now, oldest first
   purge              delete expired entries (stores that need it: KnexStorage)
+  doctor             prove the store as the app does when it starts: each command, privilege
+                     and setting requests need, what was found, and the cure (exit 1 on a failure)
 
 Options:
   -c, --config <module>   a module whose default export is { storage, encryption? }, the options
@@ -59,7 +61,7 @@ Options:
 Exit codes: 0 done, 1 failed (the store did not answer, or failed), 2 usage or configuration,
 3 nothing under the key, 4 refused (the key is in flight), 5 the store does not support it.`
 
-const COMMANDS: readonly CommandName[] = ['inspect', 'forget', 'in-flight', 'purge']
+const COMMANDS: readonly CommandName[] = ['inspect', 'forget', 'in-flight', 'purge', 'doctor']
 /** The options only some commands take. */
 const ONLY: Record<string, readonly CommandName[]> = {
   scope: ['inspect', 'forget'],

@@ -3,6 +3,7 @@
  * asked for, as base64 in JSON; as text for people when it is UTF-8).
  */
 import { isUtf8 } from 'node:buffer'
+import type { StoreProof } from '../engine/store-proof.js'
 import { NO_CALLER_SCOPE, type ForgetResult, type HeldKey, type InFlightListing, type Inspection } from '../operations/index.js'
 
 /** `1h 2m`, `3m 4s`, `5.2s`, `120ms`: the two largest units. */
@@ -92,6 +93,24 @@ export function inFlight (result: InFlightListing, now: number): string {
   const widths = rows[0]!.map((_, column) => Math.max(...rows.map((row) => row[column]!.length)))
   const lines = rows.map((row) => row.map((cell, column) => column === row.length - 1 ? cell : cell.padEnd(widths[column]!)).join('  '))
   return `${lines.join('\n')}\n${result.leases.length} key${result.leases.length === 1 ? '' : 's'} in flight${more}\n`
+}
+
+const OUTCOMES = { passed: 'ok', failed: 'FAILED', warning: 'warning' } as const
+
+/** `doctor`: each check of the store's start-up proof, what it found, the cure; then the verdict. */
+export function proofReport ({ store, checks }: StoreProof): string {
+  if (checks.length === 0) return `${store} has no start-up check (neither prove() nor ready()): nothing to prove\n`
+  const width = Math.max(...checks.map((check) => check.name.length))
+  const indent = ' '.repeat(width + 12)
+  const lines = checks.map(({ name, outcome, found, cure }) =>
+    `${OUTCOMES[outcome].padEnd(8)}  ${name.padEnd(width)}  ${found}${cure === undefined ? '' : `\n${indent}cure: ${cure}`}`)
+  const failed = checks.filter((check) => check.outcome === 'failed').length
+  const warned = checks.filter((check) => check.outcome === 'warning').length
+  const counts = `${failed} failed, ${warned} warning${warned === 1 ? '' : 's'}, ${checks.length - failed - warned} passed`
+  const verdict = failed > 0
+    ? `${store} cannot keep the plugin's promise (${counts}): an app on it does not start (checkStore)`
+    : `${store} can work (${counts})${warned > 0 ? ': an app on it starts, and logs each warning' : ''}`
+  return `${store}: start-up proof\n${lines.join('\n')}\n${verdict}\n`
 }
 
 /** JSON for scripts: a body as base64. */

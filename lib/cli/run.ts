@@ -5,6 +5,7 @@
  *
  *   0 done · 1 failed (the store did not answer in time, or failed) · 2 usage or configuration
  *   3 nothing under the key (inspect, forget) · 4 refused (forget of a key in flight) · 5 not supported by the store
+ *   (doctor: 0 the store can work, warnings included · 1 a check failed)
  *
  * Nothing is written to the store unless the operation itself does: a bad command line, a key
  * no client could send, or a configuration that cannot be loaded ends before the store is used.
@@ -15,6 +16,7 @@
  * the audit line is written to stderr as JSON, as the app's logger would write it.
  */
 import { userInfo } from 'node:os'
+import { proveStore } from '../engine/store-proof.js'
 import { withinTime } from '../engine/time-limit.js'
 import { isIdempotencyError } from '../errors.js'
 import { IdempotencyOperationNotSupportedError, KeyOperations } from '../operations/index.js'
@@ -22,7 +24,7 @@ import { normalizeOptions, toMilliseconds } from '../options.js'
 import { parseCommand, USAGE, type Command } from './args.js'
 import { ConfigError, loadConfig } from './config.js'
 import { ConsoleCapture } from './console-capture.js'
-import { forgotten, inFlight, inspection, json, span } from './format.js'
+import { forgotten, inFlight, inspection, json, proofReport, span } from './format.js'
 import { driverMessage, storeProblem } from './store-problem.js'
 import { packageVersion } from './version.js'
 
@@ -71,7 +73,7 @@ export async function runCommand (argv: readonly string[], io: CommandIO): Promi
   const capture = new ConsoleCapture()
   capture.start()
   let failed: Failure | null = null
-  const running = execute(command, io, (closing) => { close = closing }, stop.signal, progress)
+  const running = execute(command, io, (closing) => { close = closing }, stop.signal, progress, timeout)
   try {
     return await withinTime(running, timeout, () => new CommandTimeoutError(`gave up after ${command.timeout} (--timeout)`))
   } catch (error) {
@@ -94,7 +96,7 @@ export async function runCommand (argv: readonly string[], io: CommandIO): Promi
   }
 }
 
-async function execute (command: Command, io: CommandIO, closing: (close: () => Promise<void>) => void, signal: AbortSignal, progress: PurgeProgress): Promise<number> {
+async function execute (command: Command, io: CommandIO, closing: (close: () => Promise<void>) => void, signal: AbortSignal, progress: PurgeProgress, timeout: number): Promise<number> {
   const config = await loadConfig(command.config, io.cwd)
   if (typeof config.storage.close === 'function') closing(async () => { await config.storage.close!() })
   let settings
@@ -108,6 +110,12 @@ async function execute (command: Command, io: CommandIO, closing: (close: () => 
     if (!forLogs) return
     const { error, ...fields } = event as { error?: unknown }
     io.stderr(`${JSON.stringify({ level: error === undefined ? 'info' : 'error', time: new Date().toISOString(), msg: message, idempotencyOperation: fields })}\n`)
+  }
+  if (command.name === 'doctor') {
+    // Half the command's time: a step that hangs is named before the command gives up.
+    const proof = await proveStore(config.storage, { wait: true, timeout: Math.max(1, Math.floor(timeout / 2)), via: 'command' })
+    io.stdout(command.json ? json(proof) : proofReport(proof))
+    return proof.failure === null ? EXIT.done : EXIT.failed
   }
   const operations = new KeyOperations(settings, audit, 'command')
   const actor = command.actor ?? systemUser()

@@ -5,6 +5,7 @@
  * as an 'error' event it prints, by what the client printed. Anything else: the driver's own
  * message, without the statement knex puts in front of it.
  */
+import { driverReason } from '../storage/proof.js'
 
 interface Failure { code?: unknown, errno?: unknown, message?: unknown, cause?: unknown, errors?: unknown }
 
@@ -16,12 +17,8 @@ function failures (error: unknown, depth = 0): Failure[] {
   return [failure, ...failures(failure.cause, depth + 1), ...nested]
 }
 
-/** The driver's message: its first line, after the statement knex puts before it. */
-export function driverMessage (error: unknown): string {
-  const line = String((error as Failure | null)?.message ?? error).split('\n')[0]!.trim()
-  const statement = /^(?:select|insert|update|delete|with|create|drop|alter|lock|begin|commit) .* - (.+)$/is.exec(line)
-  return statement === null ? line : statement[1]!
-}
+/** The driver's message, without the statement knex puts before it (even one of several lines). */
+export const driverMessage = driverReason
 
 export function storeProblem (error: unknown, printed: readonly string[]): string | null {
   const all = failures(error)

@@ -137,11 +137,21 @@ export interface IdempotencyStorage {
   /**
    * Optional: check that the store can work (its server reachable, its table or script there),
    * creating what it was asked to create. The plugin calls it once when the app starts
-   * (`onReady`), within `storeTimeout`, unless `checkStore: false`; a rejection fails
-   * `app.ready()`. Reject with an Error whose message says in one line what is wrong and how to
-   * fix it.
+   * (`onReady`), within `storeTimeout`, unless `checkStore: false` or the store has `prove`; a
+   * rejection fails `app.ready()`. Reject with an Error whose message says in one line what is
+   * wrong and how to fix it.
    */
-  ready? (): Promise<void>
+  ready? (options?: Partial<StoreProofOptions>): Promise<void>
+
+  /**
+   * Optional: the start-up proof, check by check: every command, privilege and form the store will
+   * use at request time, tried on the server (on a probe that no key can name, left as it was),
+   * and the server's settings that would break the plugin's promise. The plugin calls it instead
+   * of `ready` when the app starts (a `failed` check fails `app.ready()`, a `warning` is logged),
+   * and the `doctor` command prints it. A store that cannot reach its server at all returns that
+   * one failed check.
+   */
+  prove? (options: StoreProofOptions): Promise<StoreCheck[]>
 
   /*
    * Operations (docs/operations.md): optional. A store without them serves requests as well;
@@ -308,4 +318,33 @@ export interface TransactionalStorage extends IdempotencyStorage {
    * transaction of their own while the request's is open, are refused in transaction mode.
    */
   readonly singleConnection?: boolean
+}
+
+/** What a store's start-up proof (`IdempotencyStorage.prove`) is told. */
+export interface StoreProofOptions {
+  /**
+   * Some route waits for keys in flight (`wait: true`): the store's signal that a lease ended
+   * (Redis's PUBLISH and SUBSCRIBE) is proven too.
+   */
+  wait: boolean
+  /**
+   * Aborted when the time for the proof is up (the plugin's `storeTimeout`, the command's
+   * `--timeout`): a check still waiting gives up and says which it was.
+   */
+  signal?: AbortSignal
+}
+
+/** One check of a store's start-up proof. */
+export interface StoreCheck {
+  /** What is checked, in a few words: `'EVALSHA'`, `'eviction policy'`, `'DELETE'`. */
+  name: string
+  /**
+   * `passed`: the store can. `failed`: it cannot keep the plugin's promise; the app does not start.
+   * `warning`: it can, with a risk its owner accepted or a fallback (waits that poll), said at start.
+   */
+  outcome: 'passed' | 'failed' | 'warning'
+  /** What it found, as a clause: on a failure, the server's own words. */
+  found: string
+  /** What to do about it, when it did not pass. */
+  cure?: string
 }

@@ -9,8 +9,10 @@ import { createServer, connect, type Server, type Socket } from 'node:net'
 
 export interface Proxy {
   port: number
-  /** Reset every open connection and refuse new ones until `restore`. */
+  /** Reset every open connection (those held while hung too) and refuse new ones until `restore`. */
   cut: () => void
+  /** Resolves once `count` connections have been opened, and held, while hung (counted from the last `hang`). */
+  held: (count: number) => Promise<void>
   /**
    * Forward nothing either way until `restore`, which delivers what waited, in order (a server
    * paused, then resumed); new connections are accepted and wait too.
@@ -31,6 +33,8 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
   const answers = new Map<Socket, Socket>()
   /** Connections accepted while hung, forwarded once restored. */
   const held = new Set<Socket>()
+  let heldSinceHang = 0
+  const heldWaiters: Array<{ count: number, resolve: () => void }> = []
   const forward = (client: Socket): void => {
     const upstream = connect({ host: targetHost, port: targetPort })
     sockets.add(client)
@@ -57,6 +61,11 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
       client.pause()
       held.add(client)
       client.on('error', () => {}).on('close', () => held.delete(client))
+      heldSinceHang++
+      for (const waiter of heldWaiters.filter(({ count }) => count <= heldSinceHang)) {
+        heldWaiters.splice(heldWaiters.indexOf(waiter), 1)
+        waiter.resolve()
+      }
       return
     }
     forward(client)
@@ -66,11 +75,18 @@ export async function startProxy (targetHost: string, targetPort: number): Promi
     port: (server.address() as { port: number }).port,
     cut: () => {
       down = true
-      for (const socket of sockets) socket.resetAndDestroy()
+      // Newest first: the connections opened while hung (a cancel's, say) are reset before the ones they wait for.
+      for (const socket of [...held, ...sockets]) socket.resetAndDestroy()
       sockets.clear()
+      held.clear()
+    },
+    held: async (count) => {
+      if (heldSinceHang >= count) return
+      await new Promise<void>((resolve) => { heldWaiters.push({ count, resolve }) })
     },
     hang: () => {
       hung = true
+      heldSinceHang = 0
       // Nothing is read from either side: what is sent waits in the sockets' buffers.
       for (const socket of sockets) socket.pause()
     },

@@ -25,16 +25,36 @@ export function driverOf (db: Knex | Knex.Transaction): string | undefined {
  */
 export async function onConnection<C, T> (db: Knex | Knex.Transaction, ms: number, query: (connection: C) => Promise<T>): Promise<T> {
   const client = db.client as PoolClient<C>
-  const connection = await client.acquireConnection()
-  let cancelling: Promise<unknown> | undefined
-  const timer = ms === 0 ? undefined : setTimeout(() => { cancelling = client.cancelQuery(connection) }, ms)
+  const connection = await client.acquireConnection() as C & { __knex__disposed?: unknown }
+  /** The cancel sent past `ms`: it never rejects (its failure is kept on the connection). */
+  let cancelling: Promise<void> | undefined
+  const timer = ms === 0
+    ? undefined
+    : setTimeout(() => {
+      // Its own connection may hang as the statement does, and fail before the statement does
+      // (a partition healed with resets): its failure is handled from the start, never left to
+      // reject with nobody listening, which would end the process.
+      cancelling = Promise.resolve().then(() => client.cancelQuery(connection)).then(() => {}, (error: unknown) => { connection.__knex__disposed ??= error })
+    }, ms)
   try {
     return await query(connection)
   } finally {
     clearTimeout(timer)
     // A cancel that lands after its statement ended would stop the next statement sent on this
-    // connection: it goes back to the pool once the cancel is done, or is thrown away (as knex does).
-    await cancelling?.catch((error: unknown) => { (connection as { __knex__disposed?: unknown }).__knex__disposed = error })
+    // connection: it goes back to the pool once the cancel is done, or is thrown away (as knex
+    // does) when the cancel failed, or has not ended within `ms` more (then its pool slot is free).
+    if (cancelling !== undefined && !await settlesWithin(cancelling, ms)) connection.__knex__disposed ??= new Error('KnexStorage: a statement cancel did not end in time')
     await client.releaseConnection(connection)
+  }
+}
+
+/** Whether `promise` (which never rejects) settles within `ms`. */
+async function settlesWithin (promise: Promise<void>, ms: number): Promise<boolean> {
+  let timer: NodeJS.Timeout | undefined
+  const late = new Promise<false>((resolve) => { timer = setTimeout(resolve, ms, false) })
+  try {
+    return await Promise.race([promise.then(() => true), late])
+  } finally {
+    clearTimeout(timer)
   }
 }

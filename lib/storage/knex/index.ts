@@ -15,12 +15,14 @@ import type { Knex } from 'knex'
 import { duration } from '../durations.js'
 import { StoreContentionError } from '../errors.js'
 import { TokenGenerator } from '../tokens.js'
-import type { BeginResult, StorageForgetOptions, StorageForgetResult, LeaseListing, StorageTransaction, StoredResponse, StoredState, TransactionalStorage, TransactionOptions } from '../types.js'
+import { readyWhenProven } from '../proof.js'
+import type { BeginResult, StorageForgetOptions, StorageForgetResult, LeaseListing, StoreCheck, StoreProofOptions, StorageTransaction, StoredResponse, StoredState, TransactionalStorage, TransactionOptions } from '../types.js'
 import type { Completion, Dialect, DialectOptions } from './dialect.js'
 import { MysqlDialect } from './mysql.js'
 import { dialectOptions, type KnexStorageOptions, type PurgeExpiredOptions } from './storage-options.js'
 import { forgetRow, inspectRow, listLeaseRows } from './operations.js'
 import { PgListener } from './pg-listener.js'
+import { proveKnex } from './proof.js'
 import { PostgresDialect } from './postgres.js'
 import { RequestSlots, poolSize } from './request-slots.js'
 import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
@@ -238,21 +240,16 @@ export class KnexStorage implements TransactionalStorage {
   }
 
   /**
-   * The start-up check (the plugin calls it when the app starts): the database can be reached,
-   * the table is there (made with `createTable`), or one line that says what is wrong.
+   * The start-up proof (proof.ts): the database reached, the table there (made with `createTable`),
+   * read, and written, updated and deleted in a transaction rolled back.
    */
-  async ready (): Promise<void> {
-    const client = this.#dialect.knex.client as { connectionSettings?: unknown, acquireRawConnection: () => Promise<unknown>, destroyRawConnection: (connection: unknown) => Promise<void> }
-    try {
-      // A connection of its own first: knex's pool would keep retrying a refused connection until
-      // its acquireConnectionTimeout, and say only that it timed out. (A connection given as a
-      // function is only known to the pool.)
-      if (client.connectionSettings !== undefined) await client.destroyRawConnection(await client.acquireRawConnection())
-      await this.#start()
-      await this.#retrying(() => this.#dialect.readEntry(Buffer.alloc(0)))
-    } catch (error) {
-      throw startupProblem(error, this.#dialect.table)
-    }
+  async prove (options: StoreProofOptions): Promise<StoreCheck[]> {
+    return await proveKnex({ dialect: this.#dialect, start: () => this.#start() }, options)
+  }
+
+  /** The start-up proof, failing with one line that says why (and how to cure it) when a check failed. */
+  async ready (options: Partial<StoreProofOptions> = {}): Promise<void> {
+    await readyWhenProven('KnexStorage', (proof) => this.prove(proof), options)
   }
 
   /**
@@ -301,17 +298,6 @@ export class KnexStorage implements TransactionalStorage {
       }
     }
   }
-}
-
-/** Why a storage cannot start, in one line: a missing table says how to make it. */
-function startupProblem (error: unknown, table: string): Error {
-  const { code, errno, message } = (error ?? {}) as { code?: unknown, errno?: unknown, message?: unknown }
-  if (code === '42P01' || errno === 1146 || code === 'ER_NO_SUCH_TABLE' || /no such table/i.test(String(message))) {
-    return new Error(`KnexStorage: the table "${table}" does not exist: create it with createTable: true, or beforehand with createIdempotencyTable (in a migration)`, { cause: error })
-  }
-  // knex puts the statement before the driver's message: only the latter says what happened.
-  const reason = String(message ?? error).split('\n')[0]!.split(' - ').pop()!.trim()
-  return new Error(`KnexStorage: the database cannot be used: ${reason}${typeof code === 'string' ? ` (${code})` : ''}`, { cause: error })
 }
 
 /** A response to store, as the dialects write it; its values are checked before any statement. */

@@ -10,7 +10,7 @@ import { GlideDriver, isGlide } from './glide.js'
 import { IoredisDriver, isIoredis } from './ioredis.js'
 import { keyPrefixText } from './keys.js'
 import { isNodeRedis, NodeRedisDriver, nodeRedisKeyPrefix } from './node-redis.js'
-import type { Script } from './scripts.js'
+import type { Script, ScriptForm } from './scripts.js'
 
 /** A command's argument, as every client takes it. */
 export type CommandArg = string | Buffer
@@ -42,8 +42,20 @@ export interface RedisDriver {
   readonly keyPrefix: string
   /** `name key ...args`, routed by `key`; string replies as Buffers (or null). */
   call: (name: string, key: string, args: CommandArg[]) => Promise<unknown>
-  /** `script` on `key` (EVALSHA, and EVAL when the server lacks it); integer replies as numbers. */
-  script: (script: Script, key: string, args: CommandArg[]) => Promise<unknown>
+  /**
+   * `script` on `key` (EVALSHA, and EVAL when the server lacks it; with `form`, in that form
+   * alone); integer replies as numbers.
+   */
+  script: (script: Script, key: string, args: CommandArg[], form?: ScriptForm) => Promise<unknown>
+  /** A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply. */
+  eachMaster: (args: string[]) => Promise<unknown[]>
+  /**
+   * Resolves once the client is connected and ready for commands (a client still connecting, or
+   * one made with `lazyConnect`, is waited for: with ioredis's `enableOfflineQueue: false` a
+   * command sent meanwhile fails at once), or once it has given up for good (its next command
+   * says why). Rejects, with the client's last error, when `signal` is aborted first.
+   */
+  whenReady: (signal?: AbortSignal) => Promise<void>
   /** The names matching `pattern` (as Redis has them), batch by batch, on every master. */
   scan: (pattern: string, count: number) => AsyncGenerator<string[]>
   /**
@@ -79,4 +91,49 @@ export function driverFor (client: unknown): RedisDriver | null {
   if (isNodeRedis(client)) return new NodeRedisDriver(client, keyPrefixText(nodeRedisKeyPrefix(client)))
   if (isGlide(client)) return new GlideDriver(client)
   return null
+}
+
+/** What `untilReady` needs of a client: its events. */
+interface Emitter {
+  on: (event: string, listener: (...args: any[]) => void) => unknown
+  off?: (event: string, listener: (...args: any[]) => void) => unknown
+  removeListener?: (event: string, listener: (...args: any[]) => void) => unknown
+}
+
+/**
+ * Resolves once `client` emits one of `settled` (ready, or gone for good), rejects once `signal`
+ * is aborted, with the last error the client reported meanwhile: a client still connecting.
+ */
+export async function untilReady (client: Emitter, settled: readonly string[], signal: AbortSignal | undefined, family: string, opened: () => boolean = () => true): Promise<void> {
+  let lastError = ''
+  const listeners: Array<[string, (...args: any[]) => void]> = []
+  const remove = client.off ?? client.removeListener
+  try {
+    await new Promise<void>((resolve, reject) => {
+      const listen = (event: string, listener: (...args: any[]) => void): void => {
+        listeners.push([event, listener])
+        client.on(event, listener)
+      }
+      listen('error', (error: unknown) => { lastError = error instanceof Error ? error.message : String(error) })
+      for (const event of settled) listen(event, () => { resolve() })
+      const aborted = (): void => {
+        reject(new Error(opened()
+          ? `the ${family} client was still connecting when the time was up${lastError === '' ? '' : ` (its last error: ${lastError})`}`
+          : `the ${family} client was never connected: call its connect() before the app starts`))
+      }
+      if (signal?.aborted === true) aborted()
+      signal?.addEventListener('abort', aborted, { once: true })
+      listeners.push(['abort', aborted])
+    })
+  } finally {
+    for (const [event, listener] of listeners) {
+      if (event === 'abort') signal?.removeEventListener('abort', listener)
+      else remove?.call(client, event, listener)
+    }
+  }
+}
+
+/** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's value. */
+export function nodeReplies (reply: unknown): unknown[] {
+  return (reply as Array<{ value: unknown }>).map((item) => item.value)
 }

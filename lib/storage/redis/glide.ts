@@ -9,8 +9,8 @@
  * configuration (its addresses, credentials, TLS), with pub/sub on RESP3, and it is closed as soon
  * as nobody waits, so that it never holds a process open that its owner has closed.
  */
-import type { CommandArg, RedisDriver, Subscription, SubscriptionEvents } from './driver.js'
-import { evalScript, type Script } from './scripts.js'
+import { nodeReplies, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /** GLIDE's `Decoder.Bytes` and `ProtocolVersion.RESP3`, by value (the package is not a dependency). */
 const BYTES = 0
@@ -57,9 +57,17 @@ export class GlideDriver implements RedisDriver {
     return this.#send(key, [name, key, ...args])
   }
 
-  script (script: Script, key: string, args: CommandArg[]): Promise<unknown> {
-    return evalScript(this.#loaded, script, (name, body) => this.#send(key, [name, body, '1', key, ...args]), this.replyCode)
+  script (script: Script, key: string, args: CommandArg[], form?: ScriptForm): Promise<unknown> {
+    return evalScript(this.#loaded, script, (name, body) => this.#send(key, [name, body, '1', key, ...args]), this.replyCode, form)
   }
+
+  async eachMaster (args: string[]): Promise<unknown[]> {
+    if (!this.cluster) return [await this.#client.customCommand(args)]
+    return nodeReplies(await this.#client.customCommand(args, { route: 'allPrimaries' }))
+  }
+
+  /** A GLIDE client is connected once `createClient` has resolved: nothing to wait for. */
+  async whenReady (): Promise<void> {}
 
   #send (key: string, args: CommandArg[]): Promise<unknown> {
     return this.#client.customCommand(args, this.cluster ? { decoder: BYTES, route: { type: 'primarySlotKey', key } } : { decoder: BYTES })

@@ -1,7 +1,8 @@
 import type { Cluster, Redis } from 'ioredis'
 import { duration } from '../durations.js'
 import { TokenGenerator } from '../tokens.js'
-import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoredResponse, StoredState } from '../types.js'
+import { readyWhenProven } from '../proof.js'
+import type { BeginResult, StorageForgetOptions, StorageForgetResult, IdempotencyStorage, LeaseListing, StoreCheck, StoreProofOptions, StoredResponse, StoredState } from '../types.js'
 import { KeyWaiters, type Waiter } from '../waiters.js'
 import { decodeValue, encodeEntry, encodeLease, fenceOf, joinLeaseToken, splitLeaseToken } from './codec.js'
 import { driverFor, type RedisDriver, type Subscription } from './driver.js'
@@ -9,6 +10,7 @@ import type { GlideLikeClient } from './glide.js'
 import { channelOf, redisKeyOf } from './keys.js'
 import type { NodeRedisClient, NodeRedisCluster } from './node-redis.js'
 import { forgetKey, inspectKey, listLeases, type RedisView } from './operations.js'
+import { proveRedis } from './proof.js'
 import { END_LEASE, MARK_WAITING, RENEW } from './scripts.js'
 
 /**
@@ -27,6 +29,13 @@ export interface RedisStorageOptions {
   client: RedisStorageClient
   /** Prepended to every Redis key. No `{` or `}` (see `redisKey`). Default `'idempotency:'`. */
   prefix?: string
+  /**
+   * Start on a Redis that may evict keys (a `maxmemory-policy` other than `noeviction`, with
+   * `maxmemory` set): the start-up check then warns instead of failing. Under memory pressure such
+   * a Redis may evict a lease, and a duplicate then runs while the first request still runs.
+   * Default `false`.
+   */
+  allowEviction?: boolean
 }
 
 /*
@@ -41,6 +50,12 @@ export interface RedisStorageOptions {
  * release PUBLISH on the key's channel, so a key nobody waits for costs no PUBLISH (which in Redis
  * Cluster goes to every node).
  */
+
+/**
+ * For a promise nobody waits for, whose failure changes nothing (a fenced release, a subscriber's
+ * close): handled, so that it never rejects unhandled, which would end the process.
+ */
+const ignore = (): void => {}
 
 /** What the scripts compare a lease's first bytes with. */
 function fence (leaseToken: string): string {
@@ -77,6 +92,13 @@ export class RedisStorage implements IdempotencyStorage {
   readonly #channels = new Map<string, Promise<void>>()
   /** Requests waiting, per channel; the last one gone unsubscribes from it. */
   readonly #waiters = new KeyWaiters((channel) => { this.#idle(channel) })
+  readonly #prefix: string
+  readonly #allowEviction: boolean
+  /**
+   * Why waits poll instead of being woken: the client's Redis user may not PUBLISH or SUBSCRIBE
+   * (found by the start-up proof, or by a script whose PUBLISH was refused). `null` while they work.
+   */
+  #cannotSignal: Error | null = null
 
   /**
    * The store's name in events, logs and errors, whatever a bundler calls the class; a subclass
@@ -102,7 +124,10 @@ export class RedisStorage implements IdempotencyStorage {
     if (driver.cluster && (keyPrefix.includes('{') || keyPrefix.includes('}'))) {
       throw new TypeError(`RedisStorage: the ${driver.family} client's \`keyPrefix\` (${JSON.stringify(keyPrefix)}) must not contain \`{\` or \`}\`: its hash tag would put every idempotency key in one slot, on one node. Give the storage a client without it (the storage's own \`prefix\` keeps apps apart)`)
     }
+    if (options.allowEviction !== undefined && typeof options.allowEviction !== 'boolean') throw new TypeError('RedisStorage: `allowEviction` must be a boolean')
+    this.#allowEviction = options.allowEviction === true
     this.#driver = driver
+    this.#prefix = prefix
     this.#open = prefix + '{'
     this.#view = { driver, open: this.#open }
   }
@@ -128,7 +153,7 @@ export class RedisStorage implements IdempotencyStorage {
       if (code === null) {
         // Sent but unanswered (a command timeout, a connection lost for good): the SET may have
         // taken the lease. Give it back, fenced by this call's token, once Redis can be reached.
-        this.release(key, token).catch(() => {})
+        this.release(key, token).catch(ignore)
         throw error
       }
       // A Redis full under noeviction refuses SET even for a key that exists; what is there can
@@ -145,11 +170,31 @@ export class RedisStorage implements IdempotencyStorage {
   async complete (key: string, token: string, response: StoredResponse, expiration: number): Promise<boolean> {
     const lease = splitLeaseToken(token)
     const entry = encodeEntry(lease.fingerprint, response, Date.now())
-    return Number(await this.#driver.script(END_LEASE, this.redisKey(key), [fenceOf(lease.token), entry, String(duration('RedisStorage', 'expiration', expiration))])) === 1
+    const redisKey = this.redisKey(key)
+    return this.#ended(redisKey, await this.#driver.script(END_LEASE, redisKey, [fenceOf(lease.token), entry, String(duration('RedisStorage', 'expiration', expiration))]))
   }
 
   async release (key: string, token: string): Promise<boolean> {
-    return Number(await this.#driver.script(END_LEASE, this.redisKey(key), [fence(token)])) === 1
+    const redisKey = this.redisKey(key)
+    return this.#ended(redisKey, await this.#driver.script(END_LEASE, redisKey, [fence(token)]))
+  }
+
+  /**
+   * What END_LEASE answered: 2 says the lease ended and its PUBLISH was refused (an ACL changed
+   * since the start-up proof): the end is kept, the waiters of this process are woken here, and
+   * waits poll from now on, said once.
+   */
+  #ended (redisKey: string, answer: unknown): boolean {
+    const ended = Number(answer)
+    if (ended !== 2) return ended === 1
+    this.#waiters.wake(this.#driver.keyPrefix + channelOf(redisKey))
+    if (this.#cannotSignal === null) {
+      this.#cannotSignal = new Error('RedisStorage: the client\'s Redis user may not PUBLISH: waits poll the store')
+      process.emitWarning('The client\'s Redis user may not PUBLISH (refused to the script that ended a lease): the lease ended and its response is kept, ' +
+        'but requests waiting for it in other processes are not woken until they ask again, and waits in this process poll the store from now on. ' +
+        'Allow PUBLISH and SUBSCRIBE on the storage\'s channels to have them woken at once.', { type: 'FastifyIdempotencyWarning', code: 'FASTIFY_IDEMPOTENCY_NO_PUBLISH' })
+    }
+    return true
   }
 
   async renew (key: string, token: string, lockTimeout: number): Promise<boolean> {
@@ -158,30 +203,19 @@ export class RedisStorage implements IdempotencyStorage {
   }
 
   /**
-   * The start-up check (the plugin calls it when the app starts): the server takes begin's very
-   * `SET … PX … NX GET` (Redis 7.0 or later, or Valkey), and runs the storage's scripts (EVAL not
-   * disabled, nor refused by an ACL), on a probe key outside the keys of idempotency keys (no hash
-   * tag, so no key of the storage can be it): a lease of its own, which the script ends (deletes),
-   * or, when another process's probe is there at the same moment, that one expires within a
-   * second. A server that cannot be reached fails it too, or never answers it (the plugin gives up
-   * at `storeTimeout`).
+   * The start-up proof (proof.ts): every command, script and form a request sends, tried with the
+   * client's own user on a probe key of its own, and the server's eviction policy and persistence.
+   * With wait mode, PUBLISH and SUBSCRIBE too: refused, waits poll the store instead (a warning).
    */
-  async ready (): Promise<void> {
-    const probe = this.#open.slice(0, -1) + 'ready-probe'
-    const probeFence = fenceOf(this.#tokens.next())
-    let step = 'SET … PX … NX GET'
-    try {
-      await this.#driver.call('set', probe, [probeFence, 'PX', '1000', 'NX', 'GET'])
-      step = 'a script (EVAL)'
-      await this.#driver.script(END_LEASE, probe, [probeFence])
-    } catch (error) {
-      const reason = error instanceof Error ? error.message.split('\n')[0]! : String(error)
-      const code = this.#driver.replyCode(error)
-      if (code === null) throw new Error(`RedisStorage: Redis cannot be reached through the ${this.#driver.family} client: ${reason}`, { cause: error })
-      if (code === 'NOPERM') throw new Error(`RedisStorage: the client's Redis user may not run ${step} (ACL): ${reason}`, { cause: error })
-      if (step.startsWith('SET') && /syntax/i.test(reason)) throw new Error(`RedisStorage: the server refuses SET with NX and GET together, which needs Redis 7.0 or later (or Valkey): ${reason}`, { cause: error })
-      throw new Error(`RedisStorage: the server refuses ${step}: ${reason}`, { cause: error })
-    }
+  async prove (options: StoreProofOptions): Promise<StoreCheck[]> {
+    const { checks, signals } = await proveRedis({ driver: this.#driver, prefix: this.#prefix, tokens: this.#tokens, allowEviction: this.#allowEviction }, options)
+    if (signals !== undefined) this.#cannotSignal = signals ? null : new Error('RedisStorage: the client\'s Redis user may not PUBLISH or SUBSCRIBE: waits poll the store')
+    return checks
+  }
+
+  /** The start-up proof, failing with one line that says why (and how to cure it) when a check failed. */
+  async ready (options: Partial<StoreProofOptions> = {}): Promise<void> {
+    await readyWhenProven('RedisStorage', (proof) => this.prove(proof), options)
   }
 
   /**
@@ -190,6 +224,8 @@ export class RedisStorage implements IdempotencyStorage {
    * subscribed before the key is checked so no end is missed.
    */
   async waitFor (key: string, timeout: number): Promise<void> {
+    // The plugin polls instead.
+    if (this.#cannotSignal !== null) throw this.#cannotSignal
     const redisKey = this.redisKey(key)
     // The scripts publish on the key's name as Redis has it, the client's keyPrefix included.
     const channel = this.#driver.keyPrefix + channelOf(redisKey)
@@ -232,10 +268,11 @@ export class RedisStorage implements IdempotencyStorage {
       // A client that never says when it is closed (GLIDE, a node-redis cluster): the
       // subscriber must not hold the process open, so it lasts only while someone waits.
       this.#subscription = null
-      void subscription.then((connection) => { connection.close() }, () => {})
+      // node-redis 5 throws from closing a connection that closed meanwhile.
+      subscription.then((connection) => { connection.close() }).catch(ignore)
       return
     }
-    void subscription.then((connection) => connection.unsubscribe(channel)).catch(() => {})
+    subscription.then((connection) => connection.unsubscribe(channel)).catch(ignore)
   }
 
   async inspect (key: string): Promise<StoredState> {
@@ -273,7 +310,7 @@ export class RedisStorage implements IdempotencyStorage {
     if (!this.#followsClient) {
       this.#followsClient = driver.onClientEnd(() => {
         this.#followsClient = false
-        void this.close()
+        this.close().catch(ignore)
       })
     }
     return await driver.subscribe({

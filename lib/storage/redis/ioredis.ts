@@ -25,8 +25,8 @@
  * (when enabled) batches them. Either way the client puts its `keyPrefix` in front of each key.
  */
 import type { Cluster, Redis } from 'ioredis'
-import type { CommandArg, RedisDriver, Subscription, SubscriptionEvents } from './driver.js'
-import { evalScript, type Script } from './scripts.js'
+import { untilReady, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 type IoredisClient = Redis | Cluster
 
@@ -57,6 +57,19 @@ function commandClassOf (client: Redis): CommandClass | null {
   return typeof queued?.constructor === 'function' ? queued.constructor as CommandClass : null
 }
 
+/**
+ * Resolves once `client` emits one of `settled` (see `untilReady`). ioredis reports a connection
+ * only through its status and events; a client made with `lazyConnect` (status `wait`) connects
+ * on its first command, so it is asked to now, as that command would. `end`: it gave up for good,
+ * and its next command says so.
+ */
+async function connected (client: IoredisClient, settled: readonly string[], signal: AbortSignal | undefined, family: string): Promise<void> {
+  const { status } = client as { status: string }
+  if (status === 'ready' || status === 'end') return
+  if (status === 'wait') client.connect().catch(() => {})
+  await untilReady(client, settled, signal, family)
+}
+
 export class IoredisDriver implements RedisDriver {
   readonly family: string
   readonly cluster: boolean
@@ -85,8 +98,18 @@ export class IoredisDriver implements RedisDriver {
     return this.#send(name, [key, ...args])
   }
 
-  script (script: Script, key: string, args: CommandArg[]): Promise<unknown> {
-    return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode)
+  script (script: Script, key: string, args: CommandArg[], form?: ScriptForm): Promise<unknown> {
+    return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode, form)
+  }
+
+  async eachMaster (args: string[]): Promise<unknown[]> {
+    const client = this.#client
+    const servers = typeof (client as Cluster).nodes === 'function' ? (client as Cluster).nodes('master') : [client as Redis]
+    return await Promise.all(servers.map((server) => server.call(args[0]!, ...args.slice(1))))
+  }
+
+  async whenReady (signal?: AbortSignal): Promise<void> {
+    await connected(this.#client, ['ready', 'end'], signal, this.family)
   }
 
   /** Send `name` with `args`; string replies come back as Buffers (or null). */
@@ -133,6 +156,10 @@ export class IoredisDriver implements RedisDriver {
     // Its errors must not go unhandled; the end of the connection says what matters.
     connection.on('error', () => {})
     connection.on('end', () => { if (!closed) events.lost(new Error('RedisStorage: subscriber connection ended')) })
+    // Without an offline queue, a SUBSCRIBE sent while it connects would fail at once (and a
+    // duplicate of a lazyConnect client would never connect): it is sent once the connection is
+    // ready, or has failed (then SUBSCRIBE says why, and waits poll).
+    if (connection.options.enableOfflineQueue === false) await connected(connection, ['ready', 'end', 'error'], undefined, this.family)
     return {
       subscribe: async (channel) => { await connection.subscribe(channel) },
       unsubscribe: async (channel) => { await connection.unsubscribe(channel) },

@@ -34,10 +34,15 @@ export function redisKeyOf (open: string, key: string): string {
   return open + (NEEDS_ESCAPE.test(key) ? key.replace(ESCAPES, escapeChar) : key) + '}'
 }
 
+/** A `%` that starts no escape: only the start-up proof's probe keys have one (proof.ts). */
+const LONE_PERCENT = /%(?!25|7B|7D|u[0-9A-F]{4})/
+
 /** The key a RedisStorage was given, from the Redis key it stored it under; `null` for another key. */
 export function storageKeyOf (open: string, redisKey: string): string | null {
   if (!redisKey.startsWith(open) || !redisKey.endsWith('}')) return null
-  return redisKey.slice(open.length, -1).replace(UNESCAPES, (_match, code: string) => {
+  const escaped = redisKey.slice(open.length, -1)
+  if (LONE_PERCENT.test(escaped)) return null
+  return escaped.replace(UNESCAPES, (_match, code: string) => {
     if (code === '25') return '%'
     if (code === '7B') return '{'
     if (code === '7D') return '}'

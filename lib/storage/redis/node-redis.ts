@@ -15,8 +15,8 @@
  * A cluster routes each command by its key (`sendCommand(key, …)`); its SCAN runs on each
  * master's own client.
  */
-import type { CommandArg, RedisDriver, Subscription, SubscriptionEvents } from './driver.js'
-import { evalScript, type Script } from './scripts.js'
+import { untilReady, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /** node-redis's RESP type of a bulk string (`RESP_TYPES.BLOB_STRING`), mapped to Buffer. */
 const BLOB_STRING = 36
@@ -101,9 +101,32 @@ export class NodeRedisDriver implements RedisDriver {
     return this.#send(redisKey, [name, redisKey, ...args])
   }
 
-  script (script: Script, key: string, args: CommandArg[]): Promise<unknown> {
+  script (script: Script, key: string, args: CommandArg[], form?: ScriptForm): Promise<unknown> {
     const redisKey = this.keyPrefix + key
-    return evalScript(this.#loaded, script, (name, body) => this.#send(redisKey, [name, body, '1', redisKey, ...args]), this.replyCode)
+    return evalScript(this.#loaded, script, (name, body) => this.#send(redisKey, [name, body, '1', redisKey, ...args]), this.replyCode, form)
+  }
+
+  async eachMaster (args: string[]): Promise<unknown[]> {
+    return await Promise.all((await this.#servers()).map((server) => server.sendCommand(args, { timeout: 0 })))
+  }
+
+  /**
+   * A client or cluster whose `connect()` has not resolved yet (or not been called yet) refuses
+   * commands, or queues them: it is waited for until it is ready (a client's `ready`, a
+   * cluster's `connect` once it knows its slots).
+   */
+  async whenReady (signal?: AbortSignal): Promise<void> {
+    const client = (this.#client ?? this.#cluster!) as unknown as { isReady?: boolean, isOpen: boolean, on: (event: string, listener: () => void) => unknown, off: (event: string, listener: () => void) => unknown }
+    // A node-redis 5 cluster has no isReady: open is as much as it says.
+    if (client.isReady ?? client.isOpen) return
+    await untilReady(client, [this.#client === null ? 'connect' : 'ready'], signal, this.family, () => client.isOpen)
+  }
+
+  /** The client, or each master's client of a cluster. */
+  async #servers (): Promise<NodeRedisClient[]> {
+    return this.#client !== null
+      ? [this.#client]
+      : await Promise.all(this.#cluster!.masters.map((master) => this.#cluster!.nodeClient(master as never)))
   }
 
   #send (key: string, args: CommandArg[]): Promise<unknown> {
@@ -112,10 +135,7 @@ export class NodeRedisDriver implements RedisDriver {
   }
 
   async * scan (pattern: string, count: number): AsyncGenerator<string[]> {
-    const servers = this.#client !== null
-      ? [this.#client]
-      : await Promise.all(this.#cluster!.masters.map((master) => this.#cluster!.nodeClient(master as never)))
-    for (const server of servers) {
+    for (const server of await this.#servers()) {
       let cursor = '0'
       do {
         const [next, keys] = await server.sendCommand(['SCAN', cursor, 'MATCH', pattern, 'COUNT', String(count)], { timeout: 0 }) as [string, string[]]

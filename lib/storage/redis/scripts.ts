@@ -29,6 +29,11 @@ const CHANNEL = `KEYS[1] .. '${CHANNEL_SUFFIX}'`
  * head that differs is looked at again: the same lease with its waiters byte set ('W': publish the
  * end), or not the caller's lease. The channel is derived from the key here rather than sent.
  * Every argument costs Redis a Lua string and a slot in ARGV on each call.
+ *
+ * Returns 1, 0 when the lease was not the caller's, and 2 when the lease ended but its PUBLISH
+ * was refused (an ACL without it): the entry is stored (a script's writes are never undone), and
+ * the waiters were not told. PUBLISH goes through `pcall`, so such a refusal is not an error of
+ * the script, which the caller would take for a response not stored.
  */
 const END_LEASE_LUA = `
 local head = redis.call('GETRANGE', KEYS[1], '0', '${FENCE_LAST}')
@@ -41,8 +46,8 @@ if ARGV[2] then
 else
   redis.call('DEL', KEYS[1])
 end
-if waited then
-  redis.call('PUBLISH', ${CHANNEL}, '1')
+if waited and type(redis.pcall('PUBLISH', ${CHANNEL}, '1')) == 'table' then
+  return 2
 end
 return 1
 `
@@ -98,7 +103,7 @@ if not lease then
   return {1, 0}
 end
 if string.sub(head, ${WAITERS_AT}, ${WAITERS_AT}) == '${WAITING}' then
-  redis.call('PUBLISH', ${CHANNEL}, '1')
+  redis.pcall('PUBLISH', ${CHANNEL}, '1')
 end
 return {2, 0}
 `
@@ -122,17 +127,23 @@ export class Script {
   }
 }
 
+/** How a script is sent: `EVAL` with its source, or `EVALSHA` with its digest. */
+export type ScriptForm = 'eval' | 'evalsha'
+
 /**
  * Run `script` on `key` through `send` (a driver's EVALSHA or EVAL of one key): EVAL the first
- * time (`loaded` records it), EVALSHA from then on, EVAL again after NOSCRIPT.
+ * time (`loaded` records it), EVALSHA from then on, EVAL again after NOSCRIPT. With `form`, in
+ * that form alone (the start-up proof tries each, since an ACL may allow one and not the other).
  */
 export async function evalScript (
   loaded: Set<Script>,
   script: Script,
-  send: (name: 'evalsha' | 'eval', body: string) => Promise<unknown>,
-  replyCode: (error: unknown) => string | null
+  send: (name: ScriptForm, body: string) => Promise<unknown>,
+  replyCode: (error: unknown) => string | null,
+  form?: ScriptForm
 ): Promise<unknown> {
-  if (loaded.has(script)) {
+  if (form === 'evalsha') return await send('evalsha', script.sha)
+  if (form === undefined && loaded.has(script)) {
     try {
       return await send('evalsha', script.sha)
     } catch (error) {

@@ -1,0 +1,174 @@
+/**
+ * KnexStorage's start-up proof: the database reached on a connection of its own, the table there
+ * (made with `createTable`), a read, and a write, an update and a delete of a probe row, each in a
+ * savepoint of one transaction that is rolled back: nothing is left, and a database that refuses
+ * writes (a reader endpoint, a hot standby, `default_transaction_read_only`, a role granted SELECT
+ * only, or without DELETE) fails the start instead of answering 503 to every guarded request.
+ * The probe's key is not UTF-8 (0xFF), so no idempotency key is ever stored under it.
+ *
+ * Each failure says what was refused, the server's own words (never the statement knex puts in
+ * front of them) and the cure.
+ */
+import { randomBytes } from 'node:crypto'
+import type { Knex } from 'knex'
+import { beforeAbort, driverReason, failed, passed } from '../proof.js'
+import type { StoreCheck, StoreProofOptions } from '../types.js'
+import type { Dialect } from './dialect.js'
+
+export interface KnexProofContext {
+  dialect: Dialect
+  /** The storage's start: its table (with `createTable`), and what the server can do. */
+  start: () => Promise<void>
+}
+
+/** A driver's error, as the proof reads it: the server's own words and code. */
+export interface DriverFailure {
+  /** The driver's message, without the statement knex puts in front of it. */
+  reason: string
+  /** PostgreSQL's SQLSTATE, mysql2's or SQLite's code; `undefined` when none. */
+  code: string | undefined
+  errno: number | undefined
+}
+
+/** A driver's error: the server's words (`driverReason`), and its code. */
+export function driverFailure (error: unknown): DriverFailure {
+  const { code, errno } = (error ?? {}) as { code?: unknown, errno?: unknown }
+  return { reason: driverReason(error), code: typeof code === 'string' ? code : undefined, errno: typeof errno === 'number' ? errno : undefined }
+}
+
+/** The server refused a statement on a privilege. */
+function deniedPrivilege ({ code, errno, reason }: DriverFailure): boolean {
+  return code === '42501' || errno === 1142 || errno === 1143 || errno === 1044 || /permission denied|command denied/i.test(reason)
+}
+
+/** The server refuses every write: a read-only transaction, server or file. */
+function readOnly ({ code, errno, reason }: DriverFailure): boolean {
+  return code === '25006' || errno === 1792 || errno === 1290 || errno === 1836 || code === 'SQLITE_READONLY' || /read[- ]only/i.test(reason)
+}
+
+function missingTable ({ code, errno, reason }: DriverFailure): boolean {
+  return code === '42P01' || errno === 1146 || code === 'ER_NO_SUCH_TABLE' || /no such table/i.test(reason)
+}
+
+const shownCode = ({ code }: DriverFailure): string => code === undefined ? '' : ` (${code})`
+
+const READ_ONLY_CURE = 'the database is read-only to this connection: give the app the primary\'s address (not a reader endpoint or a standby), and no read-only default for its role or database (default_transaction_read_only, transaction_read_only)'
+
+export async function proveKnex ({ dialect, start }: KnexProofContext, { signal }: StoreProofOptions): Promise<StoreCheck[]> {
+  const checks: StoreCheck[] = []
+  const { knex, table } = dialect
+  const step = async <T>(name: string, run: () => Promise<T>): Promise<T> => await beforeAbort(run(), signal, name)
+  try {
+    await step('connection', () => connectOnce(knex))
+    checks.push(passed('connection', 'the database answers'))
+  } catch (error) {
+    const failure = driverFailure(error)
+    return [failed('connection', `the database cannot be used: ${failure.reason}${shownCode(failure)}`,
+      'check that the database runs, and the connection settings knex was given (host, port, user, password, database)')]
+  }
+  try {
+    await step('table', start)
+  } catch (error) {
+    checks.push(tableFailure(driverFailure(error), table))
+    return checks
+  }
+  try {
+    await step('SELECT', () => dialect.readEntry(Buffer.alloc(0)))
+    checks.push(passed('table', `"${table}" is there`), passed('SELECT', 'an entry can be read'))
+  } catch (error) {
+    const failure = driverFailure(error)
+    // Without createTable, nothing was created: the read is the first to find the table missing.
+    if (missingTable(failure)) {
+      checks.push(tableFailure(failure, table))
+      return checks
+    }
+    checks.push(passed('table', `"${table}" is there`), statementFailure('SELECT', failure, table))
+  }
+  checks.push(...await step('INSERT, UPDATE, DELETE', () => writes(dialect)).catch((error: unknown) => [statementFailure('INSERT', driverFailure(error), table)]))
+  const refused = checks.find((check) => check.cure === READ_ONLY_CURE)
+  if (refused !== undefined && dialect.name === 'postgres') refused.found += await step('read-only', () => whyReadOnly(knex)).catch(() => '')
+  return checks
+}
+
+/** A connection of its own: knex's pool would retry a refused one until its acquireConnectionTimeout, and say only that it timed out. */
+async function connectOnce (knex: Knex): Promise<void> {
+  const client = knex.client as { connectionSettings?: unknown, acquireRawConnection: () => Promise<unknown>, destroyRawConnection: (connection: unknown) => Promise<void> }
+  // A connection given as a function is only known to the pool: its first statement connects.
+  if (client.connectionSettings === undefined) return
+  await client.destroyRawConnection(await client.acquireRawConnection())
+}
+
+function tableFailure (failure: DriverFailure, table: string): StoreCheck {
+  if (missingTable(failure)) {
+    return failed('table', `the table "${table}" does not exist`, 'create it with createTable: true, or beforehand with createIdempotencyTable (in a migration)')
+  }
+  const found = `the table "${table}" cannot be created: ${failure.reason}${shownCode(failure)}`
+  if (deniedPrivilege(failure)) {
+    return failed('table', found, 'grant the app\'s role CREATE on the schema, or create the table beforehand with createIdempotencyTable in a migration run by a role that may, and set createTable: false')
+  }
+  if (failure.code === '3F000' || failure.errno === 1049) {
+    return failed('table', found, 'create the schema (or database) first, or give tableName one that exists')
+  }
+  return failed('table', `the database cannot be used: ${failure.reason}${shownCode(failure)}`, 'check the role\'s rights on the database and the table, and tableName')
+}
+
+function statementFailure (statement: string, failure: DriverFailure, table: string): StoreCheck {
+  const found = `${statement} on the table "${table}" was refused: ${failure.reason}${shownCode(failure)}`
+  if (readOnly(failure)) {
+    return failed(statement, found, READ_ONLY_CURE)
+  }
+  if (deniedPrivilege(failure)) {
+    return failed(statement, found, `grant the app's role SELECT, INSERT, UPDATE and DELETE on "${table}": every request writes its key there, and gives it back with a DELETE`)
+  }
+  return failed(statement, found, 'the table may not be the one this version writes: see docs/upgrading.md (createTable: true adds what is missing)')
+}
+
+/**
+ * The writes a request makes, on the probe row, each in a savepoint of one transaction rolled back
+ * at the end: the lease taken (INSERT), the response stored (UPDATE, every column `complete` and a
+ * waiter's mark write), the lease given back (DELETE).
+ */
+async function writes (dialect: Dialect): Promise<StoreCheck[]> {
+  const { knex, table } = dialect
+  const id = Buffer.concat([Buffer.from([0xff]), randomBytes(15)])
+  const checks: StoreCheck[] = []
+  const statements: Array<[string, (trx: Knex.Transaction) => Promise<unknown>, string]> = [
+    ['INSERT', (trx) => trx(table).insert({ idempotency_key: id, fingerprint: 'start-up proof', state: 'in_flight', token: 'start-up proof', lease_end: 1, expires_at: 1 }), 'a lease can be taken'],
+    ['UPDATE', (trx) => trx(table).where('idempotency_key', id).update({
+      state: 'completed',
+      token: null,
+      lease_end: 2,
+      status_code: 200,
+      content_type: null,
+      headers: '{}',
+      body: Buffer.alloc(0),
+      expires_at: 2,
+      ...(dialect.name === 'postgres' ? { waiting: true } : {})
+    }), 'a response can be stored'],
+    ['DELETE', (trx) => trx(table).where('idempotency_key', id).del(), 'a lease can be given back']
+  ]
+  const trx = await knex.transaction()
+  // Rolled back on purpose: that is no failure of anyone's.
+  trx.executionPromise.catch(() => {})
+  try {
+    for (const [name, statement, says] of statements) {
+      try {
+        await trx.transaction(async (savepoint) => { await statement(savepoint) })
+        checks.push(passed(name, `${says} (rolled back)`))
+      } catch (error) {
+        checks.push(statementFailure(name, driverFailure(error), table))
+      }
+    }
+  } finally {
+    await trx.rollback().catch(() => {})
+  }
+  return checks
+}
+
+/** PostgreSQL: why it refuses writes, as it says. */
+async function whyReadOnly (knex: Knex): Promise<string> {
+  const { rows } = await knex.raw("SELECT pg_is_in_recovery() AS standby, current_setting('default_transaction_read_only') AS readonly")
+  const { standby, readonly } = rows[0] as { standby: boolean, readonly: string }
+  if (standby) return ' (the server is a standby: pg_is_in_recovery() is true)'
+  return readonly === 'on' ? ' (default_transaction_read_only is on for this role or database)' : ''
+}

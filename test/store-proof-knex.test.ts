@@ -1,0 +1,142 @@
+/**
+ * KnexStorage proves at start that it can write, update and delete its rows, not only read them:
+ * over PostgreSQL roles and MariaDB users of the test's own (granted SELECT only, or all but
+ * DELETE, or without CREATE), a role whose transactions are read-only by default, a read-only
+ * MariaDB session and a read-only SQLite file, `app.ready()` fails with one line naming what was
+ * refused, the server's own words (never the statement knex puts in front of them) and the cure.
+ */
+import { mkdtempSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import knexFactory, { type Knex } from 'knex'
+import { KnexStorage, createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
+import { startError } from './helpers/start-error.js'
+import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service } from './helpers/services.js'
+
+const [postgres, mariadb] = await Promise.all([service(POSTGRES), service(MARIADB)])
+const stamp = `${process.pid}_${Date.now().toString(36)}`
+
+describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL roles of the test's own${postgres.reason}`, () => {
+  const admin = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 2 } })
+  const table = `proof_${stamp}`
+  const roles: string[] = []
+  const instances: Knex[] = []
+  beforeAll(async () => { await createIdempotencyTable(admin, table) })
+  afterAll(async () => {
+    for (const knex of instances) await knex.destroy()
+    await dropIdempotencyTable(admin, table)
+    for (const role of roles) await admin.raw('DROP OWNED BY ??; DROP ROLE ??', [role, role])
+    await admin.destroy()
+  })
+
+  /** A login role of the test's own, granted `privileges` on the table, and a store connecting as it. */
+  async function as (privileges: string, options: { tableName?: string, createTable?: boolean } = {}): Promise<KnexStorage> {
+    const role = `idem_${stamp}_${roles.length}`
+    roles.push(role)
+    await admin.raw('CREATE ROLE ?? LOGIN', [role])
+    if (privileges !== '') await admin.raw(`GRANT ${privileges} ON ?? TO ??`, [table, role])
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } })
+    instances.push(knex)
+    return new KnexStorage({ knex, tableName: options.tableName ?? table, createTable: options.createTable ?? false })
+  }
+
+  it('a role granted SELECT only fails the start at the INSERT, with the server\'s words and the GRANT to make', async () => {
+    expect(await startError(await as('SELECT'))).toBe(`fastify-idempotency: the store cannot work: KnexStorage: INSERT on the table "${table}" was refused: permission denied for table ${table} (42501): ` +
+      `grant the app's role SELECT, INSERT, UPDATE and DELETE on "${table}": every request writes its key there, and gives it back with a DELETE (and 2 more checks failed: UPDATE, DELETE) (checkStore: false starts the app anyway)`)
+  })
+
+  it('a role without DELETE fails the start at the DELETE', async () => {
+    expect(await startError(await as('SELECT, INSERT, UPDATE'))).toMatch(/KnexStorage: DELETE on the table "proof_.*" was refused: permission denied for table proof_\S+ \(42501\): grant the app's role SELECT, INSERT, UPDATE and DELETE/)
+  })
+
+  it('a role whose transactions are read-only by default fails the start, saying so', async () => {
+    const storage = await as('SELECT, INSERT, UPDATE, DELETE')
+    await admin.raw('ALTER ROLE ?? SET default_transaction_read_only = on', [roles[roles.length - 1]!])
+    expect(await startError(storage)).toMatch(new RegExp(`KnexStorage: INSERT on the table "${table}" was refused: cannot execute INSERT in a read-only transaction \\(25006\\) \\(default_transaction_read_only is on for this role or database\\): the database is read-only to this connection: give the app the primary's address`))
+  })
+
+  it('a role granted all it needs starts, and nothing of the proof is left in the table', async () => {
+    expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE'))).toBeNull()
+    expect(await admin(table).count({ n: '*' })).toEqual([{ n: '0' }])
+  })
+
+  it('a connection given as a function (only knex\'s pool knows it) is proven through the pool', async () => {
+    const knex = knexFactory({ client: 'pg', connection: async () => pgConnection })
+    instances.push(knex)
+    const checks = await new KnexStorage({ knex, tableName: table }).prove({ wait: false })
+    expect(checks.map((check) => `${check.name} ${check.outcome}`)).toEqual(['connection passed', 'table passed', 'SELECT passed', 'INSERT passed', 'UPDATE passed', 'DELETE passed'])
+  })
+
+  it('createTable on a role without CREATE on the schema fails with the server\'s reason, not the statement\'s first line', async () => {
+    const error = await startError(await as('', { tableName: `proof_new_${stamp}`, createTable: true }))
+    expect(error).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the table "proof_new_${stamp}" cannot be created: permission denied for schema public (42501): ` +
+      'grant the app\'s role CREATE on the schema, or create the table beforehand with createIdempotencyTable in a migration run by a role that may, and set createTable: false (checkStore: false starts the app anyway)')
+  })
+
+  it('a schema-qualified tableName whose schema does not exist fails with the server\'s reason', async () => {
+    const error = await startError(await as('', { tableName: `nowhere_${stamp}.keys`, createTable: true }))
+    expect(error).toMatch(new RegExp(`KnexStorage: the table "nowhere_${stamp}\\.keys" cannot be created: schema "nowhere_${stamp}" does not exist \\(3F000\\): create the schema \\(or database\\) first`))
+  })
+})
+
+describe.skipIf(!mariadb.available)(`KnexStorage's start-up proof on MariaDB users of the test's own${mariadb.reason}`, () => {
+  const admin = knexFactory({ client: 'mysql2', connection: mysqlConnection, pool: { min: 0, max: 2 } })
+  const table = `proof_${stamp}`
+  const users: string[] = []
+  const instances: Knex[] = []
+  beforeAll(async () => { await createIdempotencyTable(admin, table) })
+  afterAll(async () => {
+    for (const knex of instances) await knex.destroy()
+    await dropIdempotencyTable(admin, table)
+    for (const user of users) await admin.raw('DROP USER ?@?', [user, '%'])
+    await admin.destroy()
+  })
+
+  async function as (privileges: string, options: { tableName?: string, createTable?: boolean, config?: Partial<Knex.Config> } = {}): Promise<KnexStorage> {
+    const user = `idem_${stamp}_${users.length}`.slice(0, 32)
+    users.push(user)
+    await admin.raw('CREATE USER ?@? IDENTIFIED BY ?', [user, '%', 'secret'])
+    if (privileges !== '') await admin.raw(`GRANT ${privileges} ON ??.?? TO ?@?`, [mysqlConnection.database, table, user, '%'])
+    const knex = knexFactory({ client: 'mysql2', connection: { ...mysqlConnection, user, password: 'secret' }, ...options.config })
+    instances.push(knex)
+    return new KnexStorage({ knex, tableName: options.tableName ?? table, createTable: options.createTable ?? false })
+  }
+
+  it('a user granted SELECT only fails the start at the INSERT', async () => {
+    expect(await startError(await as('SELECT'))).toMatch(/KnexStorage: INSERT on the table "proof_.*" was refused: INSERT command denied to user 'idem_[^']*'@'[^']*' for table `test`\.`proof_[^`]*` \(ER_TABLEACCESS_DENIED_ERROR\): grant the app's role SELECT, INSERT, UPDATE and DELETE/)
+  })
+
+  it('a user without DELETE fails the start at the DELETE', async () => {
+    expect(await startError(await as('SELECT, INSERT, UPDATE'))).toMatch(/KnexStorage: DELETE on the table "proof_.*" was refused: DELETE command denied to user /)
+  })
+
+  it('a session whose transactions are read-only fails the start, saying so', async () => {
+    const readOnly = { pool: { afterCreate: (connection: { query: (sql: string, done: (error: Error | null) => void) => void }, done: (error: Error | null, connection: unknown) => void) => { connection.query('SET SESSION TRANSACTION READ ONLY', (error) => { done(error, connection) }) } } }
+    expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { config: readOnly }))).toMatch(/KnexStorage: INSERT on the table "proof_.*" was refused: Cannot execute statement in a READ ONLY transaction.*: the database is read-only to this connection/)
+  })
+
+  it('createTable for a user without CREATE fails with the server\'s reason', async () => {
+    // Granted something in the database, so that it may connect to it.
+    expect(await startError(await as('SELECT', { tableName: `proof_new_${stamp}`, createTable: true }))).toMatch(/KnexStorage: the table "proof_new_.*" cannot be created: CREATE command denied to user .*: grant the app's role CREATE/)
+  })
+})
+
+describe('KnexStorage\'s start-up proof on a SQLite file opened read-only', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'idem-proof-'))
+  const filename = join(dir, 'store.sqlite')
+  const instances: Knex[] = []
+  afterAll(async () => {
+    for (const knex of instances) await knex.destroy()
+    rmSync(dir, { recursive: true, force: true })
+  })
+
+  it('fails the start at the INSERT', async () => {
+    const writer = knexFactory({ client: 'better-sqlite3', connection: { filename }, useNullAsDefault: true })
+    instances.push(writer)
+    await createIdempotencyTable(writer, 'keys')
+    const reader = knexFactory({ client: 'better-sqlite3', connection: { filename, options: { readonly: true } }, useNullAsDefault: true })
+    instances.push(reader)
+    expect(await startError(new KnexStorage({ knex: reader, tableName: 'keys' }))).toMatch(/KnexStorage: INSERT on the table "keys" was refused: attempt to write a readonly database \(SQLITE_READONLY\): the database is read-only to this connection/)
+  })
+})
