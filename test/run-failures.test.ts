@@ -58,9 +58,10 @@ for (const store of cases) {
       const key = newKey('dead')
       const input = { orderId: 1 }
       // What a consumer killed mid-job leaves: a lease nobody renews.
+      // Read before begin: the lease ends LOCK_TIMEOUT after a moment between this and begin's answer.
+      const takenAt = Date.now()
       const taken = await storage.begin(storageKey(key, runScope(null)), inputFingerprint(key, input), LOCK_TIMEOUT)
       expect(taken.state).toBe('acquired')
-      const takenAt = Date.now()
       let runs = 0
       const work = async () => ++runs
       const decision = await decisionOf(idem.run(key, input, work))
