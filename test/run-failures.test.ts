@@ -326,6 +326,53 @@ describe('a job\'s lease, on the default maxLockHold', () => {
   })
 })
 
+// Cases of their own: a store case's cleanup removes what it made (SQLite's directory).
+for (const store of await storeCases()) {
+  describe.skipIf(!store.available)(`a job that shares its key with requests (sharedWithRequests) on ${store.name}${store.reason}`, () => {
+    let storage: IdempotencyStorage
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
+
+    it('meets the request\'s lease (retry, in progress) and then its answer, and never runs the operation again', async () => {
+      const app = Fastify()
+      await app.register(idempotency, { storage, lockTimeout: LOCK_TIMEOUT })
+      const gate = new Gate()
+      let routeRuns = 0
+      let jobRuns = 0
+      app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+        ++routeRuns
+        await gate.hold()
+        return await reply.code(201).send({ order: 7 })
+      })
+      app.post('/declined', { config: { idempotency: { addCacheableStatusCodes: [402] } } }, async (request, reply) => { ++routeRuns; return await reply.code(402).send({ declined: true }) })
+      const url = await app.listen({ port: 0, host: '127.0.0.1' })
+      const job = async (): Promise<unknown> => ({ job: ++jobRuns })
+      try {
+        const key = newKey('shared')
+        const body = { orderId: 7, amount: 4200 }
+        const request = postWithKey(`${url}/orders`, key, body)
+        await gate.entered
+        // The request holds the key: the job comes back once its lease can have ended.
+        expect(retryDecision(await app.idempotency.run(key, body, job, { sharedWithRequests: true }).catch((error: unknown) => error))).toMatchObject({ kind: 'retry', reason: 'in-progress' })
+        gate.open()
+        expect((await request).status).toBe(201)
+        // The request's answer is the job's result: its JSON body, parsed.
+        expect(await app.idempotency.run(key, body, job, { sharedWithRequests: true })).toEqual({ order: 7 })
+        // Another input under the key is another operation: refused, as a request's would be.
+        expect(retryDecision(await app.idempotency.run(key, { orderId: 8 }, job, { sharedWithRequests: true }).catch((error: unknown) => error))).toMatchObject({ kind: 'give-up', reason: 'fingerprint-mismatch' })
+        // A request answered with a failure it keeps: the job does not run it again, and is not told it succeeded.
+        const declined = newKey('declined')
+        expect((await postWithKey(`${url}/declined`, declined, body)).status).toBe(402)
+        expect(retryDecision(await app.idempotency.run(declined, body, job, { sharedWithRequests: true }).catch((error: unknown) => error))).toMatchObject({ kind: 'done', reason: 'result-not-recorded' })
+        expect([routeRuns, jobRuns]).toEqual([2, 0])
+      } finally {
+        gate.open()
+        await app.close()
+      }
+    })
+  })
+}
+
 describe('the keys of run() and of requests', () => {
   it('are apart by default: a client\'s Idempotency-Key equal to a job\'s key runs the route, and never reads the job\'s result', async () => {
     const app = Fastify()

@@ -131,6 +131,13 @@ function structured (value: unknown, what: string): { contentType: string, body:
  * The value a record holds. A lost record throws ValueLostError; a record of an unknown encoding
  * (a later version's) throws an Error.
  */
+const RESULT_CONTENT_TYPES: ReadonlySet<string | null> = new Set(Object.values(RESULT_ENCODING))
+
+/** Whether `record` is a kept value (a result or a recovery point's), not a request's answer. */
+export function isResultRecord (record: StoredResponse): boolean {
+  return RESULT_CONTENT_TYPES.has(record.contentType)
+}
+
 export function decodeValue (record: StoredResponse, codec?: ValueCodec): unknown {
   switch (record.contentType) {
     case RESULT_ENCODING.none: return undefined

@@ -19,7 +19,7 @@ import type { RouteEngine } from '../engine/route-engine.js'
 import { settle } from '../engine/settle.js'
 import { runStep, type StepFunction } from '../engine/steps.js'
 import { checkKey, storageKey } from '../engine/storage-key.js'
-import { decodeValue, recordOrLost, ValueLostError, type ValueCodec } from '../engine/value-codec.js'
+import { decodeValue, isResultRecord, recordOrLost, ValueLostError, type ValueCodec } from '../engine/value-codec.js'
 import {
   IdempotencyLeaseLostError,
   IdempotencyResultNotRecordedError,
@@ -27,8 +27,14 @@ import {
   IdempotencyStoredResponseUnreadableError
 } from '../errors.js'
 import type { StoredResponse } from '../storage/types.js'
-import { inputFingerprint } from './input-fingerprint.js'
+import { inputComparison, inputFingerprint } from './input-fingerprint.js'
 import { markFailedAttempt } from './retry-decision.js'
+
+/** Where a run's key is stored: the scope it is stored under, and whether requests share it (`sharedWithRequests`). */
+export interface RunPlace {
+  scope: string | null
+  shared: boolean
+}
 
 /** What `fn` receives. */
 export interface RunContext {
@@ -56,13 +62,14 @@ const RUN_METHOD = 'RUN'
  * Run `fn` once for `key` (in `scope`) and `input` on `engine`, or return what its first run kept.
  * `codec` is the caller's own way to keep results, if any.
  */
-export async function runFunction<T> (engine: RouteEngine, log: Logger, key: string, scope: string | null, input: unknown, fn: RunFunction<T>, maxKeyLength: number, codec?: ValueCodec<T>): Promise<T> {
+export async function runFunction<T> (engine: RouteEngine, log: Logger, key: string, { scope, shared }: RunPlace, input: unknown, fn: RunFunction<T>, maxKeyLength: number, codec?: ValueCodec<T>): Promise<T> {
   checkKey(key, maxKeyLength, 'A key')
   if (typeof fn !== 'function') throw new TypeError('fastify-idempotency: run needs a function')
   const state = new RequestState(key, RUN_METHOD, log)
-  const acquisition = await acquire(engine, state, storageKey(key, scope, engine.door.cipher), inputFingerprint(key, input))
+  const fingerprint = inputFingerprint(key, input)
+  const acquisition = await acquire(engine, state, storageKey(key, scope, engine.door.cipher), fingerprint, shared ? inputComparison(fingerprint) : null)
   switch (acquisition.outcome) {
-    case 'replay': return kept(engine, state, acquisition.response, codec)
+    case 'replay': return shared && !isResultRecord(acquisition.response) ? requestAnswer(state, acquisition.response) as T : kept(engine, state, acquisition.response, codec)
     case 'refuse': throw acquisition.error
     case 'unprotected': return await attempt(engine, state, fn)
     case 'run': return await runHolding(engine, state, fn, codec)
@@ -134,4 +141,22 @@ function kept<T> ({ reporter }: RouteEngine, state: RequestState, response: Stor
     reporter.report(state, 'unreadable', { error }, 'error', 'idempotency kept result cannot be read: refused, the function not run')
     throw new IdempotencyStoredResponseUnreadableError(state.key, error)
   }
+}
+
+/** A JSON media type: `application/json`, or any `+json` suffix, with or without parameters. */
+const JSON_MEDIA_TYPE = /^application\/(?:[\w.+-]*\+)?json\s*(?:;|$)/i
+
+/**
+ * A request's kept answer met by a run that shares its keys with requests: its body is the
+ * result (parsed when JSON, as bytes otherwise; a redirect's too, Post/Redirect/Get's success). A
+ * failure the request kept (a 4xx or 5xx its route stores) is no result: the operation is not run
+ * again, and the call is not told it succeeded.
+ */
+function requestAnswer (state: RequestState, response: StoredResponse): unknown {
+  if (response.statusCode >= 400) {
+    throw new IdempotencyResultNotRecordedError(state.key, `a request with this key was answered ${response.statusCode}, which is not a result`)
+  }
+  if (response.bodyOmitted === true) return undefined
+  const body = Buffer.from(response.body)
+  return response.contentType !== null && JSON_MEDIA_TYPE.test(response.contentType) ? JSON.parse(body.toString('utf8')) : body
 }

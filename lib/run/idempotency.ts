@@ -64,7 +64,7 @@ export class Idempotency extends KeyOperations implements IdempotencyApi {
     if (scope !== null && (typeof scope !== 'string' || scope.length === 0)) throw new TypeError('fastify-idempotency: run: scope must be a non-empty string, or null for none')
     const shared = options.sharedWithRequests ?? false
     if (typeof shared !== 'boolean') throw new TypeError('fastify-idempotency: run: sharedWithRequests must be true or false')
-    return await runFunction(this.#engine(options), this.#log, key, shared ? scope : runScope(scope), input, fn, this.#plugin.maxKeyLength, options.codec)
+    return await runFunction(this.#engine(options), this.#log, key, { scope: shared ? scope : runScope(scope), shared }, input, fn, this.#plugin.maxKeyLength, options.codec)
   }
 
   /** Stop the engines' timers (the app is closing). */
