@@ -38,6 +38,8 @@ type Watched = RouteOptions & { [kWatched]?: true, [kGuarded]?: boolean }
 
 interface WatchedRoute {
   options: Watched
+  /** Its name when it was added (Fastify changes `url` for the twin of a prefix's '/' route). */
+  name: string
   /** The context the route was added in. */
   context: object
   /** A registration in its context (or above) came after it. */
@@ -76,7 +78,7 @@ function watchRoute (this: Context, routeOptions: Watched): void {
   if (routeOptions[kWatched] === true) return
   if (methodsOf(routeOptions).every((method) => SAFE.has(method))) return
   routeOptions[kWatched] = true
-  appRoutes(this).routes.push({ options: routeOptions, context: this, before: false })
+  appRoutes(this).routes.push({ options: routeOptions, name: routeName(routeOptions), context: this, before: false })
 }
 
 function watch (context: Context): void {
@@ -95,13 +97,13 @@ diagnostics.subscribe('fastify.initialization', watchNewApp)
 /** Refuse to start when a route asks to be guarded and no registration guards it. */
 function check (app: AppRoutes): void {
   const problems: string[] = []
-  for (const { options, before } of app.routes) {
+  for (const { options, name, before } of app.routes) {
     const config: unknown = options.config?.idempotency
     if (config === undefined || config === false) continue
     if (before) {
-      problems.push(`route ${routeName(options)} was added before the plugin was registered in its context, so that registration does not guard it: register the plugin (with await) before the routes`)
+      problems.push(`route ${name} was added before the plugin was registered in its context, so that registration does not guard it: register the plugin (with await) before the routes`)
     } else if (options[kGuarded] !== true) {
-      problems.push(`route ${routeName(options)} sets config.idempotency, but no registration of the plugin is in its context or above it: register the plugin on the root instance, or in a context that holds the route (a file of @fastify/autoload's plugins folder that registers it needs fastify-plugin: export default fp(...))`)
+      problems.push(`route ${name} sets config.idempotency, but no registration of the plugin is in its context or above it: register the plugin on the root instance, or in a context that holds the route (a file of @fastify/autoload's plugins folder that registers it needs fastify-plugin: export default fp(...))`)
     }
   }
   // Nothing can be added after ready.
