@@ -50,7 +50,7 @@ function routes (configured: boolean): string {
 
 let orders = 0
 export default async function (app: FastifyInstance) {
-  app.post('/', ${configured ? "{ config: { idempotency: { required: true } } }, " : ''}async (_request, reply) => {
+  app.post('/', ${configured ? '{ config: { idempotency: { required: true } } }, ' : ''}async (_request, reply) => {
     reply.code(201)
     return { order: ++orders }
   })

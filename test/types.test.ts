@@ -50,9 +50,14 @@ import idempotency, {
   type StorageForgetResult,
   type StoredInspection,
   type StoredResponse,
-  type StoredState
+  type StoredState,
+  idempotencyTransform,
+  type TransformInput,
+  type TransformResult
 } from '../lib/index.js'
 import { transactionOf } from '../lib/knex.js'
+import type { FastifyDynamicSwaggerOptions } from '@fastify/swagger'
+import { jsonSchemaTransform } from 'fastify-type-provider-zod'
 import type { Knex } from 'knex'
 
 describe('public types', () => {
@@ -241,5 +246,16 @@ describe('public types', () => {
     expectTypeOf(new IdempotencyResultNotRecordedError('k', 'why').reason).toEqualTypeOf<string>()
     await standalone.close()
     await app.close()
+  })
+
+  it("idempotencyTransform is @fastify/swagger's transform, alone or around another one (zod's)", () => {
+    const alone: FastifyDynamicSwaggerOptions['transform'] = idempotencyTransform()
+    const aroundZod: FastifyDynamicSwaggerOptions['transform'] = idempotencyTransform(jsonSchemaTransform)
+    const own = (input: TransformInput): TransformResult => ({ schema: { ...input.schema, summary: 'ours' }, url: input.url })
+    expectTypeOf(idempotencyTransform(own)).toEqualTypeOf<(input: TransformInput) => TransformResult>()
+    expectTypeOf(alone).not.toBeUndefined()
+    expectTypeOf(aroundZod).not.toBeUndefined()
+    // @ts-expect-error a transform must return the schema and the URL
+    idempotencyTransform((input: TransformInput) => input.url)
   })
 })
