@@ -138,6 +138,11 @@ describe('fingerprint', () => {
     unlike('application/x-custom; flag', 'application/x-custom')
     unlike('text/plain; a=1; a=2', 'text/plain; a=2; a=1')
     expect(canonicalMediaType('Text/Plain ;Charset="UTF-8"; Name="a b"; boundary=z; odd; q="\\\\"')).toBe('text/plain;charset=utf-8;name="a b";odd;q="\\\\"')
+    // Empty parameters, a trailing ';', a quoted string never closed, an escape at the very end.
+    expect(canonicalMediaType('text/plain;; a=1;')).toBe('text/plain;a=1')
+    expect(canonicalMediaType('text/plain; a="open; b=2')).toBe('text/plain;a="open; b=2"')
+    expect(canonicalMediaType('text/plain; a="x\\')).toBe('text/plain;a="x\\\\"')
+    expect(canonicalMediaType('text/plain; a=')).toBe('text/plain;a=""')
   })
 
   it('selects JSON members by pointer: include keeps only those, exclude drops those', () => {

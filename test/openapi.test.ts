@@ -6,7 +6,7 @@
  * schemas are never touched: its answers are tested over HTTP in test/composition.test.ts.
  */
 import { describe, expect, it } from 'vitest'
-import Fastify, { type FastifyInstance } from 'fastify'
+import Fastify, { type FastifyInstance, type RouteOptions } from 'fastify'
 import swagger from '@fastify/swagger'
 import { Type, type TypeBoxTypeProvider } from '@fastify/type-provider-typebox'
 import { jsonSchemaTransform, serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod'
@@ -176,5 +176,57 @@ describe('OpenAPI through @fastify/swagger and idempotencyTransform', () => {
     expect(keyHeader(paths['/pay']!.post)).toHaveLength(1)
     expect(keyHeader(paths['/orders']!.post)).toHaveLength(0)
     expect(Object.keys(paths['/orders']!.post.responses)).toEqual(['201'])
+  })
+})
+
+describe('idempotencyTransform on schemas of every shape', () => {
+  /** What the transform makes of `schema` for a route guarded with `config` (the schema is handed to the transform alone: Fastify would refuse some of these). */
+  async function transformed (schema: Record<string, unknown>, config: object | true = true): Promise<Record<string, any>> {
+    const app = Fastify()
+    await app.register(idempotency)
+    let route: RouteOptions | undefined
+    app.addHook('onRoute', (options) => { if (options.method === 'POST') route = options })
+    app.post('/x', { config: { idempotency: config } }, async () => ({}))
+    await app.ready()
+    await app.close()
+    return idempotencyTransform()({ schema, url: '/x', route: route! }).schema as Record<string, any>
+  }
+
+  it('leaves alone what it cannot read, and what a route already says', async () => {
+    expect((await transformed({ headers: true as unknown as object })).headers).toBe(true)
+    expect((await transformed({ headers: { type: 'object', properties: 'odd' } })).headers).toEqual({ type: 'object', properties: 'odd' })
+    expect((await transformed({ response: 'odd' as unknown as object })).response).toBe('odd')
+    const problem = { schema: { type: 'object' } }
+    const content = { description: 'Ours', content: { 'application/problem+json': problem } }
+    expect((await transformed({ response: { '4xx': content } })).response['4xx']).toBe(content)
+    expect((await transformed({ response: { '4xx': true } })).response['4xx']).toBe(true)
+  })
+
+  it('keeps what @fastify/swagger would have rendered of an entry it adds the problem to: description, media types, headers, a null body', async () => {
+    const response = await transformed({
+      produces: ['application/vnd.api+json'],
+      response: {
+        '2xx': { type: 'object', headers: { 'x-own': { type: 'string' } } },
+        409: { type: 'object', 'x-response-description': 'Taken', headers: { 'x-own': { type: 'string' } }, properties: { error: { type: 'string' } } },
+        '5xx': { type: 'null', description: 'Down' }
+      }
+    })
+    expect(response.response['409']).toEqual({
+      description: 'Taken',
+      headers: { 'x-own': { type: 'string' } },
+      content: {
+        'application/vnd.api+json': { schema: { type: 'object', 'x-response-description': 'Taken', properties: { error: { type: 'string' } } } },
+        'application/problem+json': { schema: expect.objectContaining({ description: expect.stringContaining('409: ') }) }
+      }
+    })
+    expect(response.response['5xx']).toEqual({ description: 'Down', content: { 'application/problem+json': expect.any(Object) } })
+    expect(response.response['2xx'].headers).toEqual({ 'x-own': { type: 'string' }, 'Idempotent-Replayed': expect.any(Object) })
+  })
+
+  it('documents no key header on a route whose key comes from a function of its own, and only its answers', async () => {
+    const schema = await transformed({}, { key: (request: { headers: Record<string, unknown> }) => request.headers['x-event-id'] as string })
+    expect(schema.headers).toBeUndefined()
+    expect(Object.keys(schema.response as object).sort()).toEqual(['2xx', '400', '409', '503'])
+    expect((await transformed({})).headers).toEqual({ type: 'object', properties: { 'idempotency-key': expect.any(Object) } })
   })
 })
