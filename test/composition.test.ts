@@ -36,6 +36,8 @@ async function withPlugin (app: FastifyInstance, options: IdempotencyOptions = {
   return app
 }
 
+const OPENAPI = { openapi: { info: { title: 'orders', version: '1' } } }
+
 /** Handler runs, counted per path. */
 const runs = new Map<string, number>()
 const ran = (path: string): number => runs.get(path) ?? 0
@@ -110,24 +112,18 @@ const requireKey = (route: RouteOptions): void => {
 }
 
 describe('config.idempotency set by an onRoute hook', () => {
-  it('added to the app before the plugin', async () => {
-    const app = newApp()
-    app.addHook('onRoute', requireKey)
-    await withPlugin(app)
-    app.post('/before', order('/before'))
-    const url = await listen(app)
-    await expectGuarded(`${url}/before`, '/before')
-    expectProblem(await json()(`${url}/before`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
-  })
-
-  it('added to the app after the plugin', async () => {
-    const app = await withPlugin(newApp())
-    app.addHook('onRoute', requireKey)
-    app.post('/after', order('/after'))
-    const url = await listen(app)
-    await expectGuarded(`${url}/after`, '/after')
-    expectProblem(await json()(`${url}/after`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
-  })
+  for (const when of ['before', 'after'] as const) {
+    it(`added to the app ${when} the plugin`, async () => {
+      const app = newApp()
+      if (when === 'before') app.addHook('onRoute', requireKey)
+      await withPlugin(app)
+      if (when === 'after') app.addHook('onRoute', requireKey)
+      app.post(`/${when}`, order(`/${when}`))
+      const url = await listen(app)
+      await expectGuarded(`${url}/${when}`, `/${when}`)
+      expectProblem(await json()(`${url}/${when}`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
+    })
+  }
 
   it('added in an encapsulated context below the registration, and by a fastify-plugin plugin registered after it', async () => {
     const app = await withPlugin(newApp())
@@ -231,7 +227,7 @@ describe('routes with response schemas for specific statuses, 4xx, 5xx and defau
   for (const documented of [false, true]) {
     it(`${documented ? 'with' : 'without'} @fastify/swagger: the plugin's refusals are whole problem bodies, the route's own answers as without the plugin`, async () => {
       const app = newApp()
-      if (documented) await app.register(swagger, { openapi: { info: { title: 'orders', version: '1' } }, transform: idempotencyTransform() })
+      if (documented) await app.register(swagger, { ...OPENAPI, transform: idempotencyTransform() })
       await withPlugin(app)
       await schemaRoutes(app, true)
       const gate = new Gate()
@@ -258,15 +254,31 @@ describe('routes with response schemas for specific statuses, 4xx, 5xx and defau
   }
 })
 
+/** A typed route's handler: 201 with its run and its body's sku, and a field its response schema strips. */
+function created (path: string) {
+  return async (request: FastifyRequest<{ Body: { sku: string } }>, reply: FastifyReply) => {
+    runs.set(path, ran(path) + 1)
+    const answer = { id: ran(path), sku: request.body.sku, internal: 'never sent where a schema strips it' }
+    return await reply.code(201).send(answer)
+  }
+}
+
+/** Guarded, its answers serialized by its schemas, a bad key refused whole; and the document made, when there is one. */
+async function expectTyped (app: FastifyInstance, path: string, documented: boolean): Promise<void> {
+  const url = await listen(app)
+  const first = await expectGuarded(`${url}${path}`, path)
+  expect(JSON.parse(first.body)).toEqual({ id: ran(path), sku: 'A1' })
+  expectProblem(await json()(`${url}${path}`, 'bad key', 'A1'), IdempotencyKeyInvalidError, 400)
+  if (documented) expect(app.swagger()).toHaveProperty(['paths', path, 'post'])
+}
+
 describe('type providers', () => {
   for (const documented of ['without @fastify/swagger', 'with @fastify/swagger and its transform', 'with @fastify/swagger and idempotencyTransform'] as const) {
     it(`fastify-type-provider-zod, ${documented}: a zod body and zod response schemas, 409 included`, async () => {
       const app = newApp()
       app.setValidatorCompiler(validatorCompiler)
       app.setSerializerCompiler(serializerCompiler)
-      if (documented !== 'without @fastify/swagger') {
-        await app.register(swagger, { openapi: { info: { title: 'orders', version: '1' } }, transform: documented === 'with @fastify/swagger and its transform' ? jsonSchemaTransform : idempotencyTransform(jsonSchemaTransform) })
-      }
+      if (documented !== 'without @fastify/swagger') await app.register(swagger, { ...OPENAPI, transform: documented === 'with @fastify/swagger and its transform' ? jsonSchemaTransform : idempotencyTransform(jsonSchemaTransform) })
       await withPlugin(app)
       app.withTypeProvider<ZodTypeProvider>().post('/zod', {
         config: { idempotency: true },
@@ -274,21 +286,15 @@ describe('type providers', () => {
           body: z.object({ sku: z.string() }),
           response: { 201: z.object({ id: z.number(), sku: z.string() }), 409: z.object({ error: z.string() }), '4xx': z.object({ error: z.string() }) }
         }
-      }, async (request, reply) => {
-        runs.set('/zod', ran('/zod') + 1)
-        const created = { id: ran('/zod'), sku: request.body.sku, internal: 'never sent where a schema strips it' }
-        return await reply.code(201).send(created)
-      })
-      const url = await listen(app)
-      const first = await expectGuarded(`${url}/zod`, '/zod')
-      expect(JSON.parse(first.body)).toEqual({ id: ran('/zod'), sku: 'A1' })
-      expectProblem(await json()(`${url}/zod`, 'bad key', 'A1'), IdempotencyKeyInvalidError, 400)
-      if (documented !== 'without @fastify/swagger') expect(() => app.swagger()).not.toThrow()
+      }, created('/zod'))
+      await expectTyped(app, '/zod', documented !== 'without @fastify/swagger')
     })
+  }
 
-    it(`TypeBox, ${documented.replace(' and its transform', '')}: a TypeBox body and response schemas`, async () => {
+  for (const documented of [false, true]) {
+    it(`TypeBox, ${documented ? 'with @fastify/swagger and idempotencyTransform' : 'without @fastify/swagger'}: a TypeBox body and response schemas`, async () => {
       const app = newApp()
-      if (documented !== 'without @fastify/swagger') await app.register(swagger, { openapi: { info: { title: 'orders', version: '1' } }, transform: idempotencyTransform() })
+      if (documented) await app.register(swagger, { ...OPENAPI, transform: idempotencyTransform() })
       await withPlugin(app)
       app.withTypeProvider<TypeBoxTypeProvider>().post('/typebox', {
         config: { idempotency: true },
@@ -296,15 +302,8 @@ describe('type providers', () => {
           body: Type.Object({ sku: Type.String() }),
           response: { 201: Type.Object({ id: Type.Integer(), sku: Type.String() }), '4xx': Type.Object({ error: Type.String() }) }
         }
-      }, async (request, reply) => {
-        runs.set('/typebox', ran('/typebox') + 1)
-        const created = { id: ran('/typebox'), sku: request.body.sku, internal: 'never sent where a schema strips it' }
-        return await reply.code(201).send(created)
-      })
-      const url = await listen(app)
-      const first = await expectGuarded(`${url}/typebox`, '/typebox')
-      expect(JSON.parse(first.body)).toEqual({ id: ran('/typebox'), sku: 'A1' })
-      if (documented !== 'without @fastify/swagger') expect(app.swagger()).toHaveProperty('paths./typebox.post')
+      }, created('/typebox'))
+      await expectTyped(app, '/typebox', documented)
     })
   }
 })
