@@ -200,6 +200,25 @@ describe('prefixes and the route shorthands', () => {
   })
 })
 
+describe('versioned routes: two handlers on one URL (constraints)', () => {
+  it('an onRoute hook guards version 2 only; version 1 runs as without the plugin', async () => {
+    const app = await withPlugin(newApp())
+    app.addHook('onRoute', (route) => { if ((route.constraints as { version?: string } | undefined)?.version === '2.0.0') requireKey(route) })
+    for (const version of ['1.0.0', '2.0.0']) app.post('/invoices', { constraints: { version } }, order(`/invoices@${version}`))
+    const url = await listen(app)
+    const versioned = (version: string): Send => async (target, key, sku) => await answer(await fetch(target, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'accept-version': version, ...(key === undefined ? {} : { 'idempotency-key': key }) },
+      body: JSON.stringify({ sku })
+    }))
+    await expectGuarded(`${url}/invoices`, '/invoices@2.0.0', versioned('2.x'))
+    const key = newKey()
+    await versioned('1.x')(`${url}/invoices`, key, 'A1')
+    expect((await versioned('1.x')(`${url}/invoices`, key, 'A1')).replayed).toBe(false)
+    expect(ran('/invoices@1.0.0')).toBe(2)
+  })
+})
+
 /** Its own 4xx answer, which the route's schemas serialize. */
 async function refuse (request: FastifyRequest, reply: FastifyReply) {
   reply.code(422)
