@@ -125,12 +125,20 @@ describe('header bytes of a replay, in the other ways an answer goes out (memory
     app.post('/plain/trailers', trailed)
     app.post('/guarded/large', { config: { idempotency: true } }, large)
     app.post('/plain/large', large)
+    // 204: Fastify drops the body, and Node writes the head alone.
+    const empty = async (_request: unknown, reply: FastifyReply) => {
+      ran++
+      named(reply).code(204)
+      return 'dropped'
+    }
+    app.post('/guarded/empty', { config: { idempotency: true } }, empty)
+    app.post('/plain/empty', empty)
     app.post('/guarded/injected', { config: { idempotency: true } }, async (_request, reply) => { ran++; named(reply); return { ok: true } })
     url = await app.listen({ host: '127.0.0.1', port: 0 })
   })
   afterAll(async () => { await app.close() })
 
-  for (const name of ['trailers', 'large']) {
+  for (const name of ['trailers', 'large', 'empty']) {
     it(`${name}: the retry's head carries the first answer's bytes, and the first answer is the plugin-less one`, async () => {
       const key = newKey()
       const before = ran
