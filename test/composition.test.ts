@@ -139,17 +139,21 @@ describe('config.idempotency set by an onRoute hook', () => {
     expectProblem(await json()(`${url}/wrapped`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
   })
 
-  it('that changes the options a route set, or takes them away: the final config is the one that counts', async () => {
+  it('that changes the options a route set (with a new object or in place), or takes them away: the final config is the one that counts', async () => {
     const app = await withPlugin(newApp())
     app.addHook('onRoute', (route) => {
       if (route.url === '/changed') route.config = { ...route.config, idempotency: { required: true } }
       if (route.url === '/removed') route.config = { ...route.config, idempotency: false }
+      if (route.url === '/in-place') (route.config as { idempotency: { required?: boolean } }).idempotency.required = true
     })
     app.post('/changed', { config: { idempotency: true } }, order('/changed'))
+    app.post('/in-place', { config: { idempotency: {} } }, order('/in-place'))
     app.post('/removed', { config: { idempotency: true } }, order('/removed'))
     const url = await listen(app)
     await expectGuarded(`${url}/changed`, '/changed')
     expectProblem(await json()(`${url}/changed`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
+    await expectGuarded(`${url}/in-place`, '/in-place')
+    expectProblem(await json()(`${url}/in-place`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
     const key = newKey()
     await json()(`${url}/removed`, key, 'A1')
     expect((await json()(`${url}/removed`, key, 'A1')).replayed).toBe(false)

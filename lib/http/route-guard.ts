@@ -20,7 +20,7 @@
  */
 import type { FastifyBaseLogger, FastifyInstance, RouteOptions } from 'fastify'
 import type { InFlight } from '../engine/in-flight.js'
-import { routeSettings, type PluginSettings } from '../options.js'
+import { copyOf, routeSettings, type PluginSettings } from '../options.js'
 import { createRouteHooks, SAFE_METHODS, type RouteHooks } from './hooks.js'
 import { recordDocumentation } from './openapi.js'
 import { routeName } from './registration.js'
@@ -43,7 +43,9 @@ const kOwner = Symbol('fastify-idempotency.owner')
 
 interface Guard {
   readonly registration: Registration
+  /** The config the hooks were made from, and a copy of its data, to tell a change made in place. */
   readonly config: unknown
+  readonly data: unknown
   readonly hooks: RouteHooks
 }
 
@@ -80,7 +82,7 @@ function warnOfSafeMethods (registration: Registration, route: Route, methods: s
 function guard (registration: Registration, route: Route, name: string, url: string): void {
   const config: unknown = route.config?.idempotency
   const current = route[kGuard]
-  if (current !== undefined && current.registration === registration && current.config === config) return
+  if (current !== undefined && current.registration === registration && current.config === config && sameData(current.data, config)) return
   if (current !== undefined) unguard(route, current)
   if (config === undefined) return
   const settings = routeSettings(registration.settings, config, name)
@@ -88,7 +90,7 @@ function guard (registration: Registration, route: Route, name: string, url: str
   const methods = Array.isArray(route.method) ? route.method : [route.method]
   const hooks = createRouteHooks(registration.settings, settings, url, methods.some((method) => SAFE_METHODS.has(method)), registration.inFlight)
   registration.hooks.add(hooks)
-  route[kGuard] = { registration, config, hooks }
+  route[kGuard] = { registration, config, data: copyOf(config), hooks }
   registration.mark(route, true)
   recordDocumentation(route, { ...registration.settings, ...settings })
   // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
@@ -99,6 +101,15 @@ function guard (registration: Registration, route: Route, name: string, url: str
   add(route, 'preHandler', hooks.preHandler)
   add(route, 'onSend', hooks.onSend)
   add(route, 'onError', hooks.onError)
+}
+
+/** Whether `value` holds the same data as `copy` (made by copyOf): a hook may change a config in place. */
+function sameData (copy: unknown, value: unknown): boolean {
+  if (copy === value) return true
+  if (copy === null || value === null || typeof copy !== 'object' || typeof value !== 'object') return false
+  if (Array.isArray(copy)) return Array.isArray(value) && copy.length === value.length && copy.every((item, index) => sameData(item, value[index]))
+  const names = Object.keys(copy)
+  return names.length === Object.keys(value).length && names.every((name) => Object.hasOwn(value, name) && sameData((copy as Record<string, unknown>)[name], (value as Record<string, unknown>)[name]))
 }
 
 /** Take a guard's hooks away from the route. */
