@@ -11,10 +11,10 @@
  * `after`). So this registration's `onRoute` hook does two things. A config the route has already
  * is read at once: a bad one throws where the route is added, and the hooks go where the route's
  * own and those of plugins registered earlier can run first. Then, because a hook that runs after
- * this one may still set, change or take away the config, it queues an `after` of its own, which
- * runs once every `onRoute` hook has and before Fastify's: it reads the config again, and when
- * it is not the one the route's hooks were made from, it takes them away and adds those of the
- * final config, or none. Routes without the flag get no hook: their requests cost what they cost
+ * this one may still set, change or take away the config, it queues an `after` of its own (one for
+ * the routes a context adds in a row), which runs once every `onRoute` hook of those routes has and
+ * before the app starts: it reads the config again, and when it is not the one the route's hooks
+ * were made from, it takes them away and adds those of the final config, or none. Routes without the flag get no hook: their requests cost what they cost
  * without the plugin. Registered again in a child context, the innermost registration (whose
  * `onRoute` hook runs last) is the one that guards: a route never goes through the plugin twice.
  */
@@ -53,8 +53,18 @@ type Route = RouteOptions & { [kGuard]?: Guard, [kOwner]?: Registration }
 
 type HookName = 'onRequest' | 'preValidation' | 'preHandler' | 'onSend' | 'onError'
 
+/** A route waiting for its final config: its name and URL as it was added (see registration.ts). */
+interface Pending {
+  readonly route: Route
+  readonly name: string
+  readonly url: string
+}
+
 /** Guard the routes `fastify`'s context and those below it add from now on. */
 export function guardRoutes (fastify: FastifyInstance, registration: Registration): void {
+  // Per context, the routes added since its last look: one `after` looks at all of them, since
+  // routes are usually added many in a row (an `after` costs avvio a turn of its queue).
+  const waiting = new WeakMap<FastifyInstance, Pending[]>()
   fastify.addHook('onRoute', function (routeOptions) {
     const route = routeOptions as Route
     const methods = Array.isArray(route.method) ? route.method : [route.method]
@@ -66,8 +76,19 @@ export function guardRoutes (fastify: FastifyInstance, registration: Registratio
     route[kOwner] = registration
     const url = route.url
     if (route.config?.idempotency !== undefined) guard(registration, route, name, url)
-    // A zero-argument function: avvio passes on an error of the plugins before it, and fails the start with one it rejects with.
-    this.after(async () => { if (route[kOwner] === registration) guard(registration, route, name, url) })
+    let pending = waiting.get(this)
+    if (pending === undefined) {
+      const routes: Pending[] = pending = []
+      waiting.set(this, routes)
+      // A zero-argument function: avvio passes on an error of the plugins before it, and fails the
+      // start with one it rejects with. It runs once the routes added in a row are, each with all
+      // its onRoute hooks run, and before the app starts.
+      this.after(async () => {
+        waiting.delete(this)
+        for (const { route, name, url } of routes) if (route[kOwner] === registration) guard(registration, route, name, url)
+      })
+    }
+    pending.push({ route, name, url })
   })
 }
 
