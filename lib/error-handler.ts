@@ -24,6 +24,9 @@ export interface IdempotencyProblem {
   idempotencyKey?: string
 }
 
+/** The media type of the plugin's answers, with the charset Fastify adds to a JSON body. */
+const PROBLEM_CONTENT_TYPE = 'application/problem+json; charset=utf-8'
+
 /**
  * The RFC 9457 body for one of the plugin's errors, for an error handler of your own that answers
  * in problem+json.
@@ -47,11 +50,15 @@ export function idempotencyErrorHandler (options: IdempotencyErrorHandlerOptions
   const { fallback } = options
   return function handleIdempotencyError (this: FastifyInstance, error: FastifyError, request: FastifyRequest, reply: FastifyReply) {
     if (isIdempotencyError(error)) {
+      // Bytes, with their media type: Fastify sends them as they are. An object would go through
+      // the route's response schema for the status (a `409`, `4xx` or `default` of the route's own,
+      // which would strip the problem's members), its serializer compiler or its type provider's
+      // (zod's, which would fail on it): the plugin's answers are its own, whatever the route.
       return reply
         .code(error.statusCode)
         .headers(error.headers)
-        .type('application/problem+json')
-        .send(toProblem(error))
+        .type(PROBLEM_CONTENT_TYPE)
+        .send(Buffer.from(JSON.stringify(toProblem(error))))
     }
     if (fallback !== undefined) return fallback.call(this, error, request, reply)
     // Sending the error from inside an error handler hands it to the parent handler, and at the

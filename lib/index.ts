@@ -6,18 +6,19 @@
  * @module fastify-idempotency
  */
 /**
- * fastify-idempotency: the plugin. Options are normalized once here; `onRoute` gives each route
- * that sets `config.idempotency` its own hooks, and routes without it carry none.
+ * fastify-idempotency: the plugin. Options are normalized once here; each route whose final
+ * config sets `config.idempotency` gets its own hooks (http/route-guard.ts), and routes without it
+ * carry none.
  */
-import type { FastifyPluginAsync, RouteOptions } from 'fastify'
+import type { FastifyPluginAsync } from 'fastify'
 import fp from 'fastify-plugin'
-import { createRouteHooks, kState, SAFE_METHODS, type IdempotencyRequestContext } from './http/hooks.js'
+import { kState, type IdempotencyRequestContext, type RouteHooks } from './http/hooks.js'
 import { InFlight } from './engine/in-flight.js'
-import { documentRoute } from './http/openapi.js'
 import { loggerAudit } from './operations/audit.js'
 import { Idempotency, type IdempotencyApi } from './run/idempotency.js'
-import { normalizeOptions, routeSettings, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
-import { registerIn, routeName } from './http/registration.js'
+import { normalizeOptions, type IdempotencyOptions, type IdempotencyRouteOptions } from './options.js'
+import { registerIn } from './http/registration.js'
+import { guardRoutes } from './http/route-guard.js'
 import { closeTimeoutOption, waitForRequestsOnClose } from './http/shutdown.js'
 import { checkStoreWhenReady } from './http/store-check.js'
 import { MemoryStorage } from './storage/memory.js'
@@ -41,23 +42,13 @@ declare module 'fastify' {
   }
 }
 
-/** The hooks a registration of the plugin put on a route, so a later registration can replace them. */
-const kRouteHooks = Symbol('fastify-idempotency.routeHooks')
-type GuardedRoute = RouteOptions & { [kRouteHooks]?: unknown[] }
-
-/** A route's hook option (absent, one function or an array) with ours added last and `replaced` taken out. */
-function appendHook<T> (existing: T | T[] | undefined, hook: T, replaced: unknown[] = []): T[] {
-  const hooks = existing === undefined ? [] : Array.isArray(existing) ? existing : [existing]
-  return [...hooks.filter((item) => !replaced.includes(item)), hook]
-}
-
 const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) => {
   // Without a store in the options, the plugin makes the default one, and so owns it: it closes it
   // with the server. A store given in the options belongs to whoever made it.
   const ownStorage = options.storage === undefined ? new MemoryStorage() : null
   const settings = normalizeOptions(options, options.storage ?? ownStorage!)
   const closeTimeout = closeTimeoutOption(options.closeTimeout, fastify.initialConfig.pluginTimeout ?? 0)
-  const guard = registerIn(fastify)
+  const mark = registerIn(fastify)
   // Whether any route waits for keys in flight: the store's signal is then proven at start too.
   let waits = settings.defaults.waitTimeout > 0
   if (settings.checkStore) checkStoreWhenReady(fastify, settings.storage, settings.defaults.storeTimeout, () => waits)
@@ -66,54 +57,17 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
     fastify.decorateRequest(kState as unknown as string, null)
     fastify.decorateRequest('idempotency', null)
   }
-  // Every guarded route's hooks (and `run`'s engines), whose timers stop when the server closes.
-  const guarded: Array<{ stop: () => void }> = []
   const inFlight = new InFlight()
   waitForRequestsOnClose(fastify, inFlight, closeTimeout)
-  if (!fastify.hasDecorator('idempotency')) {
-    const api = new Idempotency(settings, loggerAudit(fastify.log), fastify.log, inFlight)
-    guarded.push(api)
-    fastify.decorate('idempotency', api)
-  }
-
-  fastify.addHook('onRoute', function (routeOptions) {
-    const config = routeOptions.config?.idempotency
-    if (config === undefined) return
-    guard(routeOptions)
-    const methods = Array.isArray(routeOptions.method) ? routeOptions.method : [routeOptions.method]
-    const name = routeName(routeOptions)
-    const route = routeSettings(settings, config, name)
-    if (route === null) return
-    if (route.waitTimeout > 0) waits = true
-    const safe = methods.filter((method) => SAFE_METHODS.has(method))
-    if (safe.length === methods.length) {
-      // Fastify's automatic HEAD route of a GET route comes here too, with the GET's config.
-      if (!methods.every((method) => method === 'HEAD')) {
-        this.log.warn(`fastify-idempotency: route ${name} is not guarded: ${safe.join(', ')} requests are safe to retry as they are, so their Idempotency-Key is ignored`)
-      }
-      return
-    }
-    const hooks = createRouteHooks(settings, route, routeOptions.url, safe.length > 0, inFlight)
-    guarded.push(hooks)
-    // Only when @fastify/swagger is there to read it: a header schema also means validation work.
-    if (this.hasDecorator('swagger')) documentRoute(routeOptions, { ...settings, ...route })
-    // Registered again in a child context, the innermost registration (whose onRoute runs last)
-    // replaces the outer one's hooks: a route must never go through the plugin twice.
-    const guardedRoute = routeOptions as GuardedRoute
-    const replaced = guardedRoute[kRouteHooks] ?? []
-    guardedRoute[kRouteHooks] = [hooks.onRequest, hooks.preValidation, hooks.preHandler, hooks.onSend, hooks.onError]
-    // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
-    // and a replay is never served to a request they would have refused.
-    routeOptions.onRequest = appendHook(routeOptions.onRequest, hooks.onRequest, replaced) as RouteOptions['onRequest']
-    // The body is fingerprinted as it arrived: where a schema may change it, before validation.
-    if (routeOptions.schema?.body !== undefined) routeOptions.preValidation = appendHook(routeOptions.preValidation, hooks.preValidation, replaced) as RouteOptions['preValidation']
-    routeOptions.preHandler = appendHook(routeOptions.preHandler, hooks.preHandler, replaced) as RouteOptions['preHandler']
-    routeOptions.onSend = appendHook(routeOptions.onSend, hooks.onSend, replaced) as RouteOptions['onSend']
-    routeOptions.onError = appendHook(routeOptions.onError, hooks.onError, replaced) as RouteOptions['onError']
-  })
+  const api = fastify.hasDecorator('idempotency') ? null : new Idempotency(settings, loggerAudit(fastify.log), fastify.log, inFlight)
+  if (api !== null) fastify.decorate('idempotency', api)
+  // The hooks of every route this registration guards, whose timers (and `run`'s) stop when the server closes.
+  const hooks = new Set<RouteHooks>()
+  guardRoutes(fastify, { settings, inFlight, hooks, mark, log: fastify.log, waits: () => { waits = true } })
 
   fastify.addHook('onClose', async () => {
-    for (const hooks of guarded) hooks.stop()
+    api?.stop()
+    for (const route of hooks) route.stop()
     await ownStorage?.close()
   })
 }
@@ -150,6 +104,8 @@ export {
   PROBLEM_TYPE_BASE
 } from './errors.js'
 export { idempotencyErrorHandler, toProblem } from './error-handler.js'
+export { idempotencyTransform } from './http/openapi.js'
+export type { TransformInput, TransformResult } from './http/openapi.js'
 export {
   BodyNestedTooDeeplyError,
   BodyTooLargeError,

@@ -6,6 +6,7 @@ import canonicalizeModule from 'canonicalize'
 import fc from 'fast-check'
 import { BodyNestedTooDeeplyError, canonicalValue, FingerprintValueError, IncomparableValueError, MAX_DEPTH } from '../lib/fingerprint/canonical-value.js'
 import { normalizeFingerprint, type FingerprintOptions } from '../lib/fingerprint/fingerprint.js'
+import { canonicalMediaType } from '../lib/fingerprint/media-type.js'
 import { routeTag } from '../lib/fingerprint/record.js'
 import { fingerprintRequest } from '../lib/http/request-fingerprint.js'
 
@@ -120,6 +121,28 @@ describe('fingerprint', () => {
   it('compares header names case-insensitively and the content type case-insensitively', () => {
     expect(fp({ headers: { 'x-t': '1' } }, { headers: ['X-T'] })).toBe(fp({ headers: { 'x-t': '1' } }, { headers: ['x-t'] }))
     expect(fp({ headers: { 'content-type': 'Application/JSON' } }, { contentType: true })).toBe(fp({ headers: { 'content-type': 'application/json' } }, { contentType: true }))
+  })
+
+  it('counts the content type as a media type: case, spacing, quoting and order aside, the boundary left out', () => {
+    const alike = (a: string, b: string, options: FingerprintOptions = { contentType: true }) => expect(fp({ headers: { 'content-type': a } }, options), `${a} | ${b}`).toBe(fp({ headers: { 'content-type': b } }, options))
+    const unlike = (a: string, b: string) => expect(fp({ headers: { 'content-type': a } }, { contentType: true }), `${a} | ${b}`).not.toBe(fp({ headers: { 'content-type': b } }, { contentType: true }))
+    alike('multipart/form-data; boundary=----formdata-undici-1', 'multipart/form-data; boundary=----formdata-undici-2')
+    alike('multipart/form-data; boundary="a b"', 'Multipart/Form-Data')
+    alike('multipart/form-data; boundary=x1', 'multipart/form-data; boundary=x2', { headers: ['content-type'] })
+    alike('text/plain; Charset="UTF-8"; format=flowed', 'text/plain;format=flowed;charset=utf-8')
+    alike('application/x-custom; a="x;y"; b=1', 'application/x-custom;b=1;a="x;y"')
+    unlike('application/json', 'application/json; charset=utf-8')
+    unlike('text/plain; charset=utf-8', 'text/plain; charset=latin1')
+    unlike('application/x-custom; version=A', 'application/x-custom; version=a')
+    unlike('application/x-custom; a="x;y"', 'application/x-custom; a=x')
+    unlike('application/x-custom; flag', 'application/x-custom')
+    unlike('text/plain; a=1; a=2', 'text/plain; a=2; a=1')
+    expect(canonicalMediaType('Text/Plain ;Charset="UTF-8"; Name="a b"; boundary=z; odd; q="\\\\"')).toBe('text/plain;charset=utf-8;name="a b";odd;q="\\\\"')
+    // Empty parameters, a trailing ';', a quoted string never closed, an escape at the very end.
+    expect(canonicalMediaType('text/plain;; a=1;')).toBe('text/plain;a=1')
+    expect(canonicalMediaType('text/plain; a="open; b=2')).toBe('text/plain;a="open; b=2"')
+    expect(canonicalMediaType('text/plain; a="x\\')).toBe('text/plain;a="x\\\\"')
+    expect(canonicalMediaType('text/plain; a=')).toBe('text/plain;a=""')
   })
 
   it('selects JSON members by pointer: include keeps only those, exclude drops those', () => {

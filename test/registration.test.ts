@@ -131,6 +131,35 @@ describe('registrations that start', () => {
   })
 })
 
+describe('config set by an onRoute hook after the plugin', () => {
+  it('a bad one fails the start with what is wrong, as one in the route options fails app.post()', async () => {
+    const app = fastify()
+    await app.register(idempotency)
+    app.addHook('onRoute', (route) => { route.config = { ...route.config, idempotency: { expiration: 'soon' } } })
+    app.post('/orders', handler)
+    await expect(app.ready()).rejects.toThrow(/fastify-idempotency: invalid config\.idempotency of route POST \/orders/)
+  })
+
+  it('with two registrations, nested, set on the inner one\'s route: the innermost guards it, once', async () => {
+    const app = fastify()
+    app.setErrorHandler(idempotencyErrorHandler())
+    const storage = new MemoryStorage()
+    await app.register(idempotency, { storage, replayHeader: 'X-Outer' })
+    let runs = 0
+    await app.register(async (child) => {
+      await child.register(idempotency, { storage, replayHeader: 'X-Inner' })
+      child.addHook('onRoute', (route) => { route.config = { ...route.config, idempotency: true } })
+      child.post('/inner', async () => ({ run: ++runs }))
+    })
+    const key = newKey()
+    const send = () => app.inject({ method: 'POST', url: '/inner', headers: { 'idempotency-key': key }, payload: {} })
+    await send()
+    const replay = await send()
+    expect(Object.keys(replay.headers).filter((name) => name.startsWith('x-'))).toEqual(['x-inner'])
+    expect(runs).toBe(1)
+  })
+})
+
 describe('two registrations in one context', () => {
   it('are refused when the second is registered, as both would guard the same routes', async () => {
     const app = fastify()

@@ -57,12 +57,17 @@ import idempotency, {
   type StoredResponse,
   type StoredState,
   storeCheckChannel,
+  idempotencyTransform,
   type IdempotencyStoreCheckEvent,
   type StoreCheck,
-  type StoreProofOptions
+  type StoreProofOptions,
+  type TransformInput,
+  type TransformResult
 } from '../lib/index.js'
 import { KnexStorage, transactionOf } from '../lib/knex.js'
 import { RedisStorage, type RedisStorageOptions } from '../lib/redis.js'
+import type { FastifyDynamicSwaggerOptions } from '@fastify/swagger'
+import { jsonSchemaTransform } from 'fastify-type-provider-zod'
 import type { Knex } from 'knex'
 
 describe('public types', () => {
@@ -278,5 +283,16 @@ describe('public types', () => {
     if (decision.kind === 'requeue') expectTypeOf(decision).toBeNever()
     await standalone.close()
     await app.close()
+  })
+
+  it("idempotencyTransform is @fastify/swagger's transform, alone or around another one (zod's)", () => {
+    const alone: FastifyDynamicSwaggerOptions['transform'] = idempotencyTransform()
+    const aroundZod: FastifyDynamicSwaggerOptions['transform'] = idempotencyTransform(jsonSchemaTransform)
+    const own = (input: TransformInput): TransformResult => ({ schema: { ...input.schema, summary: 'ours' }, url: input.url })
+    expectTypeOf(idempotencyTransform(own)).toEqualTypeOf<(input: TransformInput) => TransformResult>()
+    expectTypeOf(alone).not.toBeUndefined()
+    expectTypeOf(aroundZod).not.toBeUndefined()
+    // @ts-expect-error a transform must return the schema and the URL
+    idempotencyTransform((input: TransformInput) => input.url)
   })
 })

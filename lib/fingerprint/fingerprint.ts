@@ -18,6 +18,7 @@
 import { createHash, hash } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
 import { canonicalValue, IncomparableValueError, isPlainObject } from './canonical-value.js'
+import { canonicalMediaType } from './media-type.js'
 
 /** Which parts of a request make up its fingerprint. Plain data, validated at register time. */
 export interface FingerprintOptions {
@@ -43,7 +44,10 @@ export interface FingerprintOptions {
   path?: boolean
   /** The query string, as parameters sorted by name (default `false`). */
   query?: boolean
-  /** The `Content-Type` header, lower-cased (default `false`). */
+  /**
+   * The `Content-Type` header (default `false`): its media type and parameters, case and spacing
+   * aside, a multipart body's `boundary` left out (see docs/fingerprinting.md).
+   */
   contentType?: boolean
   /** Request headers to include, by name, case-insensitive (default none). */
   headers?: string[]
@@ -279,6 +283,12 @@ function writeQuery (out: Encoder, url: string): void {
   }
 }
 
+/** The request's Content-Type in its canonical form (media-type.ts); versions 1 and 2 count it trimmed and lower-cased. */
+function mediaType (request: FastifyRequest): string | undefined {
+  const header = request.headers['content-type']
+  return header === undefined ? undefined : canonicalMediaType(header)
+}
+
 function writeHeader (out: Encoder, value: string | string[] | undefined): void {
   if (value === undefined) {
     out.raw('a')
@@ -307,8 +317,9 @@ export function fingerprintDigest (request: FastifyRequest, settings: Fingerprin
     out.part('p', mark === -1 ? request.url : request.url.slice(0, mark))
   }
   if (settings.query) writeQuery(out, request.url)
-  if (settings.contentType) writeHeader(out, request.headers['content-type']?.trim().toLowerCase())
-  for (const name of settings.headers) writeHeader(out, request.headers[name])
+  if (settings.contentType) writeHeader(out, version === 3 ? mediaType(request) : request.headers['content-type']?.trim().toLowerCase())
+  // The Content-Type named among the headers counts as `contentType` does, its boundary left out.
+  for (const name of settings.headers) writeHeader(out, name === 'content-type' && version === 3 ? mediaType(request) : request.headers[name])
   if (body === NO_BODY) out.raw('n')
   else if (body !== null) out.part(body[0], body[1])
   return out.digest()

@@ -6,6 +6,7 @@ import { Readable } from 'node:stream'
 import type { ReadableStream as WebReadableStream } from 'node:stream/web'
 import type { FastifyReply } from 'fastify'
 import type { StoredResponse } from '../storage/types.js'
+import { asSentWithBody } from './head-bytes.js'
 
 /**
  * The payload as bytes, `null` for a stream or anything else that is not already in memory. A
@@ -28,10 +29,11 @@ type HeaderValues = Record<string, number | string | string[] | undefined>
 
 /**
  * Status, content type and replayable headers of the reply as it stands, with `body`; with
- * `null`, the outcome of a response whose body could not be kept.
+ * `null`, the outcome of a response whose body could not be kept. `headWithBody`: Node writes this
+ * answer's head with its body, in UTF-8 (see head-bytes.ts).
  */
-export function snapshotResponse (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
-  return outcome(reply.statusCode, reply.getHeaders(), excludedHeaders, body)
+export function snapshotResponse (reply: FastifyReply, excludedHeaders: ReadonlySet<string>, body: Buffer | null, headWithBody = false): StoredResponse {
+  return outcome(reply.statusCode, reply.getHeaders(), excludedHeaders, body, headWithBody ? reply : null)
 }
 
 /** The body of a response whose body is kept as text (Ending's `text`): empty, one for all. */
@@ -67,7 +69,7 @@ function isWebStream (payload: unknown): payload is WebReadableStream {
 
 /** The outcome of a hijacked reply: what was written on the raw response, without its body. */
 export function hijackedOutcome (reply: FastifyReply, excludedHeaders: ReadonlySet<string>): StoredResponse {
-  return outcome(reply.raw.statusCode, reply.raw.getHeaders(), excludedHeaders, null)
+  return outcome(reply.raw.statusCode, reply.raw.getHeaders(), excludedHeaders, null, null)
 }
 
 /**
@@ -89,15 +91,21 @@ function isResponse (payload: unknown): payload is Response {
  */
 const NO_HEADERS: Readonly<Record<string, string | string[]>> = Object.freeze({})
 
-function outcome (statusCode: number, all: HeaderValues, excludedHeaders: ReadonlySet<string>, body: Buffer | null): StoredResponse {
+/** A header value as stored: as its bytes went out when `headWithBody`'s head went with its body (head-bytes.ts). */
+function headerText (value: unknown, headWithBody: FastifyReply | null): string {
+  return headWithBody === null ? String(value) : asSentWithBody(headWithBody, String(value))
+}
+
+/** `headWithBody`: the reply, when Node writes its head in one UTF-8 write with its body; otherwise `null`. */
+function outcome (statusCode: number, all: HeaderValues, excludedHeaders: ReadonlySet<string>, body: Buffer | null, headWithBody: FastifyReply | null): StoredResponse {
   let headers: Record<string, string | string[]> | null = null
   for (const name in all) {
     const value = all[name]
     if (value === undefined || excludedHeaders.has(name) || isPseudoHeader(name)) continue
-    ;(headers ??= {})[name] = Array.isArray(value) ? value.map(String) : String(value)
+    ;(headers ??= {})[name] = Array.isArray(value) ? value.map((item) => headerText(item, headWithBody)) : headerText(value, headWithBody)
   }
   const contentType = all['content-type']
-  const response: StoredResponse = { statusCode, contentType: contentType === undefined ? null : String(contentType), headers: headers ?? NO_HEADERS, body: body ?? Buffer.alloc(0) }
+  const response: StoredResponse = { statusCode, contentType: contentType === undefined ? null : headerText(contentType, headWithBody), headers: headers ?? NO_HEADERS, body: body ?? Buffer.alloc(0) }
   if (body === null) response.bodyOmitted = true
   return response
 }

@@ -12,8 +12,10 @@
  * Routes are watched from the app's creation when this module was loaded before it (Fastify's
  * `fastify.initialization` diagnostics channel), and otherwise from the first registration on, in
  * the contexts that exist between the root and the registration and every context created later.
- * State lives under `Symbol.for` keys on Fastify's own objects, so that the ESM and CommonJS builds,
- * both loaded in one process, share it.
+ * Every route that answers a method other than GET, HEAD or OPTIONS is watched, and its config is
+ * read at `ready`: an `onRoute` hook that runs after the watcher (the app's, or one of a plugin or
+ * of @fastify/autoload's autohooks) may set it. State lives under `Symbol.for` keys on Fastify's
+ * own objects, so that the ESM and CommonJS builds, both loaded in one process, share it.
  */
 import diagnostics from 'node:diagnostics_channel'
 import type { FastifyInstance, RouteOptions } from 'fastify'
@@ -32,10 +34,12 @@ const kWatched = Symbol.for('fastify-idempotency.watched')
 const kGuarded = Symbol.for('fastify-idempotency.guarded')
 
 type Context = FastifyInstance & { [kRegistered]?: true, [kWatching]?: true, [kAppRoutes]?: AppRoutes }
-type Watched = RouteOptions & { [kWatched]?: true, [kGuarded]?: true }
+type Watched = RouteOptions & { [kWatched]?: true, [kGuarded]?: boolean }
 
 interface WatchedRoute {
   options: Watched
+  /** Its name when it was added (Fastify changes `url` for the twin of a prefix's '/' route). */
+  name: string
   /** The context the route was added in. */
   context: object
   /** A registration in its context (or above) came after it. */
@@ -69,13 +73,12 @@ export function routeName (routeOptions: RouteOptions): string {
   return `${methodsOf(routeOptions).join(',')} ${routeOptions.url}`
 }
 
-/** An onRoute hook: remember every route that asks to be guarded. */
+/** An onRoute hook: remember every route that could ask to be guarded, by the time the app starts. */
 function watchRoute (this: Context, routeOptions: Watched): void {
-  const config: unknown = routeOptions.config?.idempotency
-  if (config === undefined || config === false || routeOptions[kWatched] === true) return
+  if (routeOptions[kWatched] === true) return
   if (methodsOf(routeOptions).every((method) => SAFE.has(method))) return
   routeOptions[kWatched] = true
-  appRoutes(this).routes.push({ options: routeOptions, context: this, before: false })
+  appRoutes(this).routes.push({ options: routeOptions, name: routeName(routeOptions), context: this, before: false })
 }
 
 function watch (context: Context): void {
@@ -94,11 +97,13 @@ diagnostics.subscribe('fastify.initialization', watchNewApp)
 /** Refuse to start when a route asks to be guarded and no registration guards it. */
 function check (app: AppRoutes): void {
   const problems: string[] = []
-  for (const { options, before } of app.routes) {
+  for (const { options, name, before } of app.routes) {
+    const config: unknown = options.config?.idempotency
+    if (config === undefined || config === false) continue
     if (before) {
-      problems.push(`route ${routeName(options)} was added before the plugin was registered in its context, so that registration does not guard it: register the plugin (with await) before the routes`)
+      problems.push(`route ${name} was added before the plugin was registered in its context, so that registration does not guard it: register the plugin (with await) before the routes`)
     } else if (options[kGuarded] !== true) {
-      problems.push(`route ${routeName(options)} sets config.idempotency, but no registration of the plugin is in its context or above it: register the plugin on the root instance, or in a context that holds the route (a file of @fastify/autoload's plugins folder that registers it needs fastify-plugin: export default fp(...))`)
+      problems.push(`route ${name} sets config.idempotency, but no registration of the plugin is in its context or above it: register the plugin on the root instance, or in a context that holds the route (a file of @fastify/autoload's plugins folder that registers it needs fastify-plugin: export default fp(...))`)
     }
   }
   // Nothing can be added after ready.
@@ -108,10 +113,10 @@ function check (app: AppRoutes): void {
 
 /**
  * A registration of the plugin in `context`: refused if one is there already; from now on every
- * route of the app is watched, and the app checked at ready. Returns what the registration's
- * onRoute hook calls for each route it guards.
+ * route of the app is watched, and the app checked at ready. Returns what the registration calls
+ * for each route it guards (`true`), or no longer guards (`false`).
  */
-export function registerIn (context: FastifyInstance): (routeOptions: RouteOptions) => void {
+export function registerIn (context: FastifyInstance): (routeOptions: RouteOptions, guarded: boolean) => void {
   const self = context as Context
   if (Object.hasOwn(self, kRegistered)) {
     throw new Error('fastify-idempotency: the plugin is registered twice in the same context; both would guard the same routes. Register it once per context (a child context may register it again with options of its own)')
@@ -133,5 +138,5 @@ export function registerIn (context: FastifyInstance): (routeOptions: RouteOptio
       }
     })
   }
-  return (routeOptions) => { (routeOptions as Watched)[kGuarded] = true }
+  return (routeOptions, guarded) => { (routeOptions as Watched)[kGuarded] = guarded }
 }

@@ -13,6 +13,7 @@ import { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
 import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, TEXT_BODY, withBody, type Captured } from './capture.js'
+import { headWrittenWithBody } from './head-bytes.js'
 import type { HttpRequestState } from './request-context.js'
 
 const NOT_MODIFIED = 304
@@ -40,12 +41,13 @@ export function settleResponse (reply: FastifyReply, http: HttpRequestState, sen
     return then(end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes'), payload)
   }
   // In a transaction the bytes are written with the handler's writes: a text body is text only outside one.
+  const headWithBody = headWrittenWithBody(reply, payload)
   if (typeof payload === 'string' && http.route.textBodies && http.state.transaction === null) {
-    return then(end(reply, http, fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload) : tooLarge(reply, http), 'bytes'), payload)
+    return then(end(reply, http, fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload, headWithBody) : tooLarge(reply, http, headWithBody), 'bytes'), payload)
   }
   const bytes = payloadBytes(payload)
   if (bytes !== null) {
-    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? tooLarge(reply, http) : stored(reply, http, bytes), 'bytes'), payload)
+    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? tooLarge(reply, http, headWithBody) : stored(reply, http, bytes, headWithBody), 'bytes'), payload)
   }
   if (stream) return captured(reply, http, payload)
   // Anything else (a Response whose body was read already, a locked web stream, an object that
@@ -130,13 +132,14 @@ function streamEnding (http: HttpRequestState, head: StoredResponse, result: Cap
   return unkept(http, head, result.reason === 'unfinished' ? 'interrupted' : 'too-large')
 }
 
-function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer): Ending {
-  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body) }
+/** `headWithBody`: Node writes the head in one write with the body (head-bytes.ts). */
+function stored (reply: FastifyReply, http: HttpRequestState, body: Buffer, headWithBody: boolean): Ending {
+  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, body, headWithBody) }
 }
 
 /** A body larger than `maxResponseBytes`: its outcome is kept without it, or the key freed. */
-function tooLarge (reply: FastifyReply, http: HttpRequestState): Ending {
-  return unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null), 'too-large')
+function tooLarge (reply: FastifyReply, http: HttpRequestState, headWithBody: boolean): Ending {
+  return unkept(http, snapshotResponse(reply, http.route.plugin.excludedHeaders, null, headWithBody), 'too-large')
 }
 
 /**
@@ -148,8 +151,8 @@ function fitsAsText (text: string, limit: number): boolean {
   return text.length * 3 <= limit || Buffer.byteLength(text) <= limit
 }
 
-function storedText (reply: FastifyReply, http: HttpRequestState, text: string): Ending {
-  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, TEXT_BODY), text }
+function storedText (reply: FastifyReply, http: HttpRequestState, text: string, headWithBody: boolean): Ending {
+  return { kind: 'store', statusCode: reply.statusCode, response: snapshotResponse(reply, http.route.plugin.excludedHeaders, TEXT_BODY, headWithBody), text }
 }
 
 /**

@@ -58,7 +58,7 @@ export function givenRouteOptions (plugin: PluginSettings): Readonly<Idempotency
 }
 
 /** A copy of options' data (arrays and plain objects); functions are kept as they are. */
-function copyOf<T> (value: T): T {
+export function copyOf<T> (value: T): T {
   if (Array.isArray(value)) return value.map(copyOf) as T
   if (value === null || typeof value !== 'object' || Object.getPrototypeOf(value) !== Object.prototype) return value
   return Object.fromEntries(Object.entries(value).map(([name, item]) => [name, copyOf(item)])) as T

@@ -1,0 +1,374 @@
+/**
+ * Every way a Fastify app is put together that the plugin must hold its promise in, over real HTTP:
+ * config set by `onRoute` hooks before and after the plugin and in contexts below it, prefixes,
+ * fastify-plugin or not, the `route()` shorthands, routes with response schemas for specific
+ * statuses, `4xx`, `5xx` and `default`, zod and TypeBox type providers each with and without
+ * @fastify/swagger, and uploads under every fingerprint option. In each, a first request runs the
+ * handler, its retry is replayed, the same key with another body gets 409 with the whole problem
+ * body, and the handler ran once. A route's own answers are what they are without the plugin.
+ * (@fastify/autoload, which loads files, is in test/autoload.test.ts.)
+ */
+import { afterAll, afterEach, describe, expect, it } from 'vitest'
+import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest, type RouteOptions } from 'fastify'
+import fp from 'fastify-plugin'
+import multipart from '@fastify/multipart'
+import swagger from '@fastify/swagger'
+import { Type, type TypeBoxTypeProvider } from '@fastify/type-provider-typebox'
+import { jsonSchemaTransform, serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod'
+import { z } from 'zod'
+import idempotency, { IdempotencyFingerprintMismatchError, IdempotencyKeyInvalidError, IdempotencyKeyMissingError, IdempotencyRequestInProgressError, idempotencyErrorHandler, idempotencyTransform, type FingerprintOptions, type IdempotencyOptions } from '../lib/index.js'
+import { newKey } from './helpers/app.js'
+import { Gate } from './helpers/gate.js'
+
+const apps: FastifyInstance[] = []
+afterEach(async () => { for (const app of apps.splice(0)) await app.close() })
+
+/** An app with the plugin registered as `register` does (default: at the root, with its error handler). */
+function newApp (): FastifyInstance {
+  const app = Fastify()
+  apps.push(app)
+  return app
+}
+
+async function withPlugin (app: FastifyInstance, options: IdempotencyOptions = {}): Promise<FastifyInstance> {
+  await app.register(idempotency, options)
+  app.setErrorHandler(idempotencyErrorHandler())
+  return app
+}
+
+const OPENAPI = { openapi: { info: { title: 'orders', version: '1' } } }
+
+/** Handler runs, counted per path. */
+const runs = new Map<string, number>()
+const ran = (path: string): number => runs.get(path) ?? 0
+
+/** The order handler every composition guards: 201, its run, and a field its schemas strip. */
+function order (path: string) {
+  return async (request: FastifyRequest, reply: FastifyReply) => {
+    runs.set(path, ran(path) + 1)
+    reply.code(201)
+    return { id: ran(path), sku: (request.body as { sku?: string } | undefined)?.sku ?? null, internal: 'never sent where a schema strips it' }
+  }
+}
+
+interface Answer { status: number, contentType: string | null, body: string, replayed: boolean }
+
+type Send = (url: string, key: string | undefined, sku: string) => Promise<Answer>
+
+async function answer (res: Response): Promise<Answer> {
+  return { status: res.status, contentType: res.headers.get('content-type'), body: await res.text(), replayed: res.headers.get('idempotent-replayed') === 'true' }
+}
+
+/** A JSON POST (or `method`) with the key, as a client over HTTP sends it. */
+function json (method = 'POST'): Send {
+  return async (url, key, sku) => await answer(await fetch(url, {
+    method,
+    headers: { 'content-type': 'application/json', ...(key === undefined ? {} : { 'idempotency-key': key }) },
+    body: JSON.stringify({ sku })
+  }))
+}
+
+/** A form with a file, as fetch sends it: a new multipart boundary on every call. */
+const form: Send = async (url, key, sku) => {
+  const body = new FormData()
+  body.append('sku', sku)
+  body.append('file', new Blob([Buffer.alloc(70_000, sku)]), 'receipt.bin')
+  return await answer(await fetch(url, { method: 'POST', headers: key === undefined ? {} : { 'idempotency-key': key }, body }))
+}
+
+/** The whole RFC 9457 body of one of the plugin's refusals, as `idempotencyErrorHandler` sends it. */
+function problem (error: { type: string, title: string }, status: number, key?: string): object {
+  return { type: error.type, title: error.title, status, detail: expect.any(String), ...(key === undefined ? {} : { idempotencyKey: key }) }
+}
+
+function expectProblem (refusal: Answer, error: { type: string, title: string }, status: number, key?: string): void {
+  expect(refusal.status).toBe(status)
+  expect(refusal.contentType).toBe('application/problem+json; charset=utf-8')
+  expect(JSON.parse(refusal.body)).toStrictEqual(problem(error, status, key))
+}
+
+/** A first run, its replay, a mismatch refused with the whole problem body, and one run of the handler. */
+async function expectGuarded (url: string, path: string, send: Send = json()): Promise<Answer> {
+  const key = newKey()
+  const before = ran(path)
+  const first = await send(url, key, 'A1')
+  expect(first.status, first.body).toBe(201)
+  const retry = await send(url, key, 'A1')
+  expect(retry.replayed, retry.body).toBe(true)
+  expect(retry.status).toBe(201)
+  expect(retry.body).toBe(first.body)
+  expect(retry.contentType).toBe(first.contentType)
+  expectProblem(await send(url, key, 'B2'), IdempotencyFingerprintMismatchError, 409, key)
+  expect(ran(path) - before).toBe(1)
+  return first
+}
+
+async function listen (app: FastifyInstance): Promise<string> {
+  return await app.listen({ host: '127.0.0.1', port: 0 })
+}
+
+const requireKey = (route: RouteOptions): void => {
+  if (route.method === 'POST') route.config = { ...route.config, idempotency: { required: true } }
+}
+
+describe('config.idempotency set by an onRoute hook', () => {
+  for (const when of ['before', 'after'] as const) {
+    it(`added to the app ${when} the plugin`, async () => {
+      const app = newApp()
+      if (when === 'before') app.addHook('onRoute', requireKey)
+      await withPlugin(app)
+      if (when === 'after') app.addHook('onRoute', requireKey)
+      app.post(`/${when}`, order(`/${when}`))
+      const url = await listen(app)
+      await expectGuarded(`${url}/${when}`, `/${when}`)
+      expectProblem(await json()(`${url}/${when}`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
+    })
+  }
+
+  it('added in an encapsulated context below the registration, and by a fastify-plugin plugin registered after it', async () => {
+    const app = await withPlugin(newApp())
+    await app.register(async (child) => {
+      child.addHook('onRoute', requireKey)
+      child.post('/child', order('/child'))
+    })
+    await app.register(fp(async (instance) => { instance.addHook('onRoute', requireKey) }))
+    app.post('/wrapped', order('/wrapped'))
+    const url = await listen(app)
+    await expectGuarded(`${url}/child`, '/child')
+    await expectGuarded(`${url}/wrapped`, '/wrapped')
+    expectProblem(await json()(`${url}/wrapped`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
+  })
+
+  it('that changes the options a route set (with a new object or in place), or takes them away: the final config is the one that counts', async () => {
+    const app = await withPlugin(newApp())
+    app.addHook('onRoute', (route) => {
+      if (route.url === '/changed') route.config = { ...route.config, idempotency: { required: true } }
+      if (route.url === '/removed') route.config = { ...route.config, idempotency: false }
+      if (route.url === '/in-place') (route.config as { idempotency: { required?: boolean } }).idempotency.required = true
+    })
+    app.post('/changed', { config: { idempotency: true } }, order('/changed'))
+    app.post('/in-place', { config: { idempotency: {} } }, order('/in-place'))
+    app.post('/removed', { config: { idempotency: true } }, order('/removed'))
+    const url = await listen(app)
+    await expectGuarded(`${url}/changed`, '/changed')
+    expectProblem(await json()(`${url}/changed`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
+    await expectGuarded(`${url}/in-place`, '/in-place')
+    expectProblem(await json()(`${url}/in-place`, undefined, 'A1'), IdempotencyKeyMissingError, 400)
+    const key = newKey()
+    await json()(`${url}/removed`, key, 'A1')
+    expect((await json()(`${url}/removed`, key, 'A1')).replayed).toBe(false)
+    expect(ran('/removed')).toBe(2)
+  })
+
+  it('in a context no registration reaches: the app refuses to start, naming the route', async () => {
+    const app = newApp()
+    await app.register(async (child) => { await withPlugin(child) })
+    await app.register(async (child) => {
+      child.addHook('onRoute', requireKey)
+      child.post('/orphan', order('/orphan'))
+    })
+    await expect(app.ready()).rejects.toThrow(/1 route\(s\) would run unguarded:\n- route POST \/orphan sets config\.idempotency, but no registration of the plugin is in its context or above it/)
+  })
+})
+
+describe('prefixes and the route shorthands', () => {
+  it('routes under a prefix, in a plain plugin and in a fastify-plugin one', async () => {
+    const app = await withPlugin(newApp())
+    await app.register(async (v1) => {
+      v1.post('/orders', { config: { idempotency: true } }, order('/v1/orders'))
+      await v1.register(async (nested) => { nested.post('/orders', { config: { idempotency: true } }, order('/v1/eu/orders')) }, { prefix: '/eu' })
+    }, { prefix: '/v1' })
+    await app.register(fp(async (instance) => { instance.post('/flat', { config: { idempotency: true } }, order('/flat')) }))
+    const url = await listen(app)
+    await expectGuarded(`${url}/v1/orders`, '/v1/orders')
+    await expectGuarded(`${url}/v1/eu/orders`, '/v1/eu/orders')
+    await expectGuarded(`${url}/flat`, '/flat')
+  })
+
+  it('post, put, patch, delete, route() with one method and with several', async () => {
+    const app = await withPlugin(newApp())
+    const config = { idempotency: true }
+    app.post('/post', { config }, order('/post'))
+    app.put('/put', { config }, order('/put'))
+    app.patch('/patch', { config }, order('/patch'))
+    app.delete('/delete', { config }, order('/delete'))
+    app.route({ method: 'POST', url: '/route', config, handler: order('/route') })
+    app.route({ method: ['POST', 'PUT'], url: '/methods', config, handler: order('/methods') })
+    const url = await listen(app)
+    await expectGuarded(`${url}/post`, '/post')
+    await expectGuarded(`${url}/put`, '/put', json('PUT'))
+    await expectGuarded(`${url}/patch`, '/patch', json('PATCH'))
+    await expectGuarded(`${url}/delete`, '/delete', json('DELETE'))
+    await expectGuarded(`${url}/route`, '/route')
+    await expectGuarded(`${url}/methods`, '/methods', json('PUT'))
+  })
+})
+
+describe('versioned routes: two handlers on one URL (constraints)', () => {
+  it('an onRoute hook guards version 2 only; version 1 runs as without the plugin', async () => {
+    const app = await withPlugin(newApp())
+    app.addHook('onRoute', (route) => { if ((route.constraints as { version?: string } | undefined)?.version === '2.0.0') requireKey(route) })
+    for (const version of ['1.0.0', '2.0.0']) app.post('/invoices', { constraints: { version } }, order(`/invoices@${version}`))
+    const url = await listen(app)
+    const versioned = (version: string): Send => async (target, key, sku) => await answer(await fetch(target, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', 'accept-version': version, ...(key === undefined ? {} : { 'idempotency-key': key }) },
+      body: JSON.stringify({ sku })
+    }))
+    await expectGuarded(`${url}/invoices`, '/invoices@2.0.0', versioned('2.x'))
+    const key = newKey()
+    await versioned('1.x')(`${url}/invoices`, key, 'A1')
+    expect((await versioned('1.x')(`${url}/invoices`, key, 'A1')).replayed).toBe(false)
+    expect(ran('/invoices@1.0.0')).toBe(2)
+  })
+})
+
+/** Its own 4xx answer, which the route's schemas serialize. */
+async function refuse (request: FastifyRequest, reply: FastifyReply) {
+  reply.code(422)
+  return { error: 'out of stock', internal: `sku ${(request.body as { sku: string }).sku}` }
+}
+
+const strips = (properties: Record<string, object>) => ({ type: 'object', properties })
+
+/** Routes whose response schemas cover the plugin's statuses: specific ones, ranges, `default`. */
+const SCHEMAS: Record<string, Record<string, object>> = {
+  specific: { 201: strips({ id: { type: 'integer' }, sku: { type: 'string' } }), 400: strips({ error: { type: 'string' } }), 409: strips({ error: { type: 'string' } }), 422: strips({ error: { type: 'string' } }) },
+  ranges: { '2xx': strips({ id: { type: 'integer' } }), '4xx': strips({ error: { type: 'string' } }), '5xx': strips({ error: { type: 'string' } }) },
+  default: { default: strips({ id: { type: 'integer' }, error: { type: 'string' } }) }
+}
+
+async function schemaRoutes (app: FastifyInstance, guarded: boolean): Promise<void> {
+  for (const [name, response] of Object.entries(SCHEMAS)) {
+    const config = guarded ? { idempotency: true } : {}
+    app.post(`/${name}`, { config, schema: { response } }, order(`/${name}${guarded ? '' : '-plain'}`))
+    app.post(`/${name}/refuse`, { config, schema: { response } }, refuse)
+  }
+}
+
+describe('routes with response schemas for specific statuses, 4xx, 5xx and default', () => {
+  for (const documented of [false, true]) {
+    it(`${documented ? 'with' : 'without'} @fastify/swagger: the plugin's refusals are whole problem bodies, the route's own answers as without the plugin`, async () => {
+      const app = newApp()
+      if (documented) await app.register(swagger, { ...OPENAPI, transform: idempotencyTransform() })
+      await withPlugin(app)
+      await schemaRoutes(app, true)
+      const gate = new Gate()
+      app.post('/held', { config: { idempotency: true }, schema: { response: SCHEMAS.specific } }, async () => { await gate.hold(); return { id: 1 } })
+      const plain = newApp()
+      await schemaRoutes(plain, false)
+      const [url, plainUrl] = [await listen(app), await listen(plain)]
+      for (const name of Object.keys(SCHEMAS)) {
+        const first = await expectGuarded(`${url}/${name}`, `/${name}`)
+        const without = await json()(`${plainUrl}/${name}`, undefined, 'A1')
+        expect(JSON.parse(first.body), name).toEqual({ ...JSON.parse(without.body), id: ran(`/${name}`) })
+        expect(first.body).not.toContain('internal')
+        expectProblem(await json()(`${url}/${name}`, 'bad key', 'A1'), IdempotencyKeyInvalidError, 400)
+        const own = await json()(`${url}/${name}/refuse`, newKey(), 'A1')
+        expect(own, name).toEqual({ ...await json()(`${plainUrl}/${name}/refuse`, undefined, 'A1'), replayed: false })
+      }
+      const key = newKey()
+      const held = json()(`${url}/held`, key, 'A1')
+      await gate.entered
+      expectProblem(await json()(`${url}/held`, key, 'A1'), IdempotencyRequestInProgressError, 409, key)
+      gate.open()
+      expect((await held).status).toBe(200)
+    })
+  }
+})
+
+/** A typed route's handler: 201 with its run and its body's sku, and a field its response schema strips. */
+function created (path: string) {
+  return async (request: FastifyRequest<{ Body: { sku: string } }>, reply: FastifyReply) => {
+    runs.set(path, ran(path) + 1)
+    const answer = { id: ran(path), sku: request.body.sku, internal: 'never sent where a schema strips it' }
+    return await reply.code(201).send(answer)
+  }
+}
+
+/** Guarded, its answers serialized by its schemas, a bad key refused whole; and the document made, when there is one. */
+async function expectTyped (app: FastifyInstance, path: string, documented: boolean): Promise<void> {
+  const url = await listen(app)
+  const first = await expectGuarded(`${url}${path}`, path)
+  expect(JSON.parse(first.body)).toEqual({ id: ran(path), sku: 'A1' })
+  expectProblem(await json()(`${url}${path}`, 'bad key', 'A1'), IdempotencyKeyInvalidError, 400)
+  if (documented) expect(app.swagger()).toHaveProperty(['paths', path, 'post'])
+}
+
+describe('type providers', () => {
+  for (const documented of ['without @fastify/swagger', 'with @fastify/swagger and its transform', 'with @fastify/swagger and idempotencyTransform'] as const) {
+    it(`fastify-type-provider-zod, ${documented}: a zod body and zod response schemas, 409 included`, async () => {
+      const app = newApp()
+      app.setValidatorCompiler(validatorCompiler)
+      app.setSerializerCompiler(serializerCompiler)
+      if (documented !== 'without @fastify/swagger') await app.register(swagger, { ...OPENAPI, transform: documented === 'with @fastify/swagger and its transform' ? jsonSchemaTransform : idempotencyTransform(jsonSchemaTransform) })
+      await withPlugin(app)
+      app.withTypeProvider<ZodTypeProvider>().post('/zod', {
+        config: { idempotency: true },
+        schema: {
+          body: z.object({ sku: z.string() }),
+          response: { 201: z.object({ id: z.number(), sku: z.string() }), 409: z.object({ error: z.string() }), '4xx': z.object({ error: z.string() }) }
+        }
+      }, created('/zod'))
+      await expectTyped(app, '/zod', documented !== 'without @fastify/swagger')
+    })
+  }
+
+  for (const documented of [false, true]) {
+    it(`TypeBox, ${documented ? 'with @fastify/swagger and idempotencyTransform' : 'without @fastify/swagger'}: a TypeBox body and response schemas`, async () => {
+      const app = newApp()
+      if (documented) await app.register(swagger, { ...OPENAPI, transform: idempotencyTransform() })
+      await withPlugin(app)
+      app.withTypeProvider<TypeBoxTypeProvider>().post('/typebox', {
+        config: { idempotency: true },
+        schema: {
+          body: Type.Object({ sku: Type.String() }),
+          response: { 201: Type.Object({ id: Type.Integer(), sku: Type.String() }), '4xx': Type.Object({ error: Type.String() }) }
+        }
+      }, created('/typebox'))
+      await expectTyped(app, '/typebox', documented)
+    })
+  }
+})
+
+/** Uploads under each fingerprint option, in both of @fastify/multipart's modes. */
+const FINGERPRINTS: Record<string, FingerprintOptions> = {
+  'the default': {},
+  "body: 'raw'": { body: 'raw' },
+  'contentType: true': { contentType: true },
+  "headers: ['content-type']": { headers: ['content-type'] },
+  'method, path and query': { method: true, path: true, query: true }
+}
+
+describe('@fastify/multipart under every fingerprint option, each attempt with a boundary of its own', () => {
+  const served: FastifyInstance[] = []
+  afterAll(async () => { for (const app of served) await app.close() })
+
+  for (const [name, fingerprint] of Object.entries(FINGERPRINTS)) {
+    for (const mode of ['stream mode', 'attachFieldsToBody'] as const) {
+      it(`${name}, ${mode}`, async () => {
+        const app = Fastify()
+        served.push(app)
+        await app.register(multipart, mode === 'attachFieldsToBody' ? { attachFieldsToBody: true } : {})
+        await withPlugin(app, { fingerprint })
+        const path = `/uploads/${Object.keys(FINGERPRINTS).indexOf(name)}/${mode === 'stream mode' ? 'stream' : 'attached'}`
+        app.post(path, { config: { idempotency: true } }, async (request, reply) => {
+          runs.set(path, ran(path) + 1)
+          let sku: unknown
+          if (mode === 'stream mode') {
+            for await (const part of request.parts()) {
+              if (part.type === 'field') sku = part.value
+              else await part.toBuffer()
+            }
+          } else {
+            sku = (request.body as { sku: { value: string } }).sku.value
+          }
+          reply.code(201)
+          return { id: ran(path), sku }
+        })
+        const url = await listen(app)
+        await expectGuarded(`${url}${path}?tenant=t1`, path, form)
+      })
+    }
+  }
+})
