@@ -1,5 +1,6 @@
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
 import { isIdempotencyError, type IdempotencyError } from './errors.js'
+import { transactionConflictOf } from './http/request-context.js'
 
 /** An error handler as `setErrorHandler` takes it. */
 export type ErrorHandler = (this: FastifyInstance, error: FastifyError, request: FastifyRequest, reply: FastifyReply) => unknown
@@ -46,12 +47,14 @@ export function toProblem (error: IdempotencyError): IdempotencyProblem {
 export function idempotencyErrorHandler (options: IdempotencyErrorHandlerOptions = {}): ErrorHandler {
   const { fallback } = options
   return function handleIdempotencyError (this: FastifyInstance, error: FastifyError, request: FastifyRequest, reply: FastifyReply) {
-    if (isIdempotencyError(error)) {
+    // A handler whose transaction conflicted with another (transaction mode) is answered as a failed commit.
+    const problem = isIdempotencyError(error) ? error : transactionConflictOf(request)
+    if (problem !== null) {
       return reply
-        .code(error.statusCode)
-        .headers(error.headers)
+        .code(problem.statusCode)
+        .headers(problem.headers)
         .type('application/problem+json')
-        .send(toProblem(error))
+        .send(toProblem(problem))
     }
     if (fallback !== undefined) return fallback.call(this, error, request, reply)
     // Sending the error from inside an error handler hands it to the parent handler, and at the

@@ -119,7 +119,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
 export const idempotency = fp(plugin, { fastify: '5.x || 6.x', name: 'fastify-idempotency' })
 export default idempotency
 
-export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
+export type { IdempotencyOptions, IdempotencyRouteOptions, IdempotencyTransactionOptions } from './options.js'
 export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
 export type { FingerprintOptions } from './fingerprint/fingerprint.js'
 export type { IdempotencyRequestContext } from './http/hooks.js'
@@ -189,6 +189,7 @@ export type {
   BeginResult,
   HeldLease,
   IdempotencyStorage,
+  IsolationLevel,
   LeaseListing,
   StorageTransaction,
   StoredCompleted,
@@ -200,5 +201,6 @@ export type {
   StoragePurgeOptions,
   StorageForgetResult,
   TransactionalStorage,
+  TransactionLease,
   TransactionOptions
 } from './storage/types.js'

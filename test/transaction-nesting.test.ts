@@ -71,7 +71,7 @@ for (const [index, store] of stores.entries()) {
         return await jobs.run('inner-job', {}, () => ++inner)
       })
       await expect(outer).rejects.toThrow(TypeError)
-      await expect(outer).rejects.toThrow(/one connection/)
+      await expect(outer).rejects.toThrow(/only connection/)
       expect(Date.now() - startedAt).toBeLessThan(STORE_TIMEOUT / 3)
       expect(inner).toBe(0)
       expect(await effectsOf('outer-job')).toBe(0)

@@ -183,6 +183,16 @@ export class StoreDoor {
     return this.#deadline.run('transaction', () => (this.storage as TransactionalStorage).transaction(options), (late) => { late.rollback().catch(noop) })
   }
 
+  /** Renew the lease `token` holds through `transaction`, which holds it (StorageTransaction.renew): `false` when it was lost. */
+  renewIn (transaction: StorageTransaction, key: string, token: string): Promise<boolean> {
+    return this.#deadline.run('renew', () => transaction.renew!(key, token, this.#settings.lockTimeout))
+  }
+
+  /** Whether `error`, thrown in one of the store's transactions, says it conflicted with another (TransactionalStorage.isConflict). */
+  isConflict (error: unknown): boolean {
+    return (this.storage as Partial<TransactionalStorage>).isConflict?.(error) === true
+  }
+
   /** Store `response` inside `transaction`, under the lease `token` holds: `false` when it was lost. */
   completeIn (transaction: StorageTransaction, key: string, token: string, response: StoredResponse): Promise<boolean> {
     return this.#deadline.run('complete', () => transaction.complete(key, token, response, this.#settings.expiration))

@@ -13,6 +13,7 @@
  *                             fn threw:    the key given back (`give-back`), the error rethrown
  */
 import { acquire } from '../engine/acquire.js'
+import { holdingConnection } from '../engine/held-connection.js'
 import { RequestState } from '../engine/request-state.js'
 import type { Logger } from '../engine/report.js'
 import type { RouteEngine } from '../engine/route-engine.js'
@@ -79,7 +80,7 @@ function contextOf (engine: RouteEngine, state: RequestState): RunContext {
 async function runHolding<T> (engine: RouteEngine, state: RequestState, fn: RunFunction<T>, codec?: ValueCodec<T>): Promise<T> {
   let value: T
   try {
-    value = await fn(contextOf(engine, state))
+    value = await holdingConnection(engine, state, () => fn(contextOf(engine, state)))
   } catch (error) {
     state.startSettling()
     // Nothing is kept: the next call runs fn again (its recovery points keep what they did).

@@ -47,7 +47,7 @@ export interface MatrixCount {
 export const MATRIX_COUNTS: MatrixCount[] = []
 
 /** Short, and scaled: the long handler outlives it by half, the renewals come every eighth of it. */
-const LOCK_TIMEOUT = scaled(800)
+const LOCK_TIMEOUT = scaled(500)
 const CONCURRENT = 18
 
 interface Answer { key: string, status: number, replayed: boolean, retryAfter: string | undefined, body: string }

@@ -4,8 +4,8 @@
  * back and purging. Each dialect extends this with the statements that differ.
  */
 import type { Knex } from 'knex'
-import type { BeginResult } from '../types.js'
-import type { Bound, Clock, Completion, Dialect, HeldLease, LeaseRenewal, LeaseRequest, PurgedBatch } from './dialect.js'
+import type { BeginResult, IsolationLevel } from '../types.js'
+import type { Bound, Clock, Completion, Dialect, HeldLease, LeaseHolding, LeaseRenewal, LeaseRequest, PurgedBatch } from './dialect.js'
 import { READ_COLUMNS, toResult, type Row } from './rows.js'
 import type { SqlDialect } from './schema.js'
 
@@ -46,6 +46,13 @@ export abstract class BaseDialect implements Dialect {
   abstract giveBack (lease: HeldLease): Promise<number>
   abstract purgeBatch (batchSize: number): Promise<PurgedBatch>
   abstract isDeadlock (error: unknown): boolean
+  abstract isConflict (error: unknown): boolean
+  abstract leaseHolding (trx: Knex.Transaction, level: IsolationLevel | undefined): Promise<LeaseHolding>
+
+  /** knex's transaction at `level`: `BEGIN ISOLATION LEVEL` on PostgreSQL, `SET TRANSACTION` before `BEGIN` on MySQL. */
+  async beginTransaction (level: IsolationLevel | undefined): Promise<Knex.Transaction> {
+    return await this.knex.transaction(level === undefined ? undefined : { isolationLevel: level })
+  }
 
   /** Nothing to learn of the server, unless a dialect says otherwise. */
   async probeServer (): Promise<void> {}
@@ -57,8 +64,8 @@ export abstract class BaseDialect implements Dialect {
   }
 
   /** The lease end is also when the row stops mattering. */
-  async renewLease ({ lease, ...held }: LeaseRenewal): Promise<number> {
-    return Number(await this.bound(this.heldLease(this.knex, held).update({ lease_end: this.fromNow(lease), expires_at: this.fromNow(lease) })))
+  async renewLease ({ lease, ...held }: LeaseRenewal, db: Knex | Knex.Transaction = this.knex): Promise<number> {
+    return Number(await this.bound(this.heldLease(db, held).update({ lease_end: this.fromNow(lease, db), expires_at: this.fromNow(lease, db) })))
   }
 
   /** `storeResponse` as a plain fenced UPDATE built by knex. */

@@ -22,6 +22,7 @@ import { dialectOptions, type KnexStorageOptions, type PurgeExpiredOptions } fro
 import { forgetRow, inspectRow, listLeaseRows } from './operations.js'
 import { PgListener } from './pg-listener.js'
 import { PostgresDialect } from './postgres.js'
+import { openTransaction, type OpenedTransaction } from './request-transaction.js'
 import { RequestSlots, poolSize } from './request-slots.js'
 import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
 import { createIdempotencyTable, sqlDialect, type SqlDialect } from './schema.js'
@@ -128,13 +129,14 @@ export class KnexStorage implements TransactionalStorage {
   async transaction (options: TransactionOptions = {}): Promise<StorageTransaction> {
     if (!this.#started) await this.#start()
     const release = options.request === true ? await this.#requestSlots.take() : undefined
-    let trx: Knex.Transaction
+    let opened: OpenedTransaction
     try {
-      trx = await this.#dialect.knex.transaction()
+      opened = await openTransaction(this.#dialect, options, this.singleConnection)
     } catch (error) {
       release?.()
       throw error
     }
+    const { trx, renew } = opened
     // A failed COMMIT rejects the transaction's own promise as well as commit()'s; the caller
     // handles the latter, so the former must not surface as an unhandled rejection. However it
     // ends, its slot is free again.
@@ -143,8 +145,20 @@ export class KnexStorage implements TransactionalStorage {
       handle: trx,
       complete: async (key, token, response, expiration) => await this.#storeResponse(trx, completion(key, token, response, expiration)),
       commit: async () => { await this.#commit(trx) },
-      rollback: async () => { if (!trx.isCompleted()) await trx.rollback() }
+      rollback: async () => { if (!trx.isCompleted()) await trx.rollback() },
+      ...(renew === undefined ? {} : { renew })
     }
+  }
+
+  /**
+   * A handler's statement failed because its transaction conflicted with another (a serialization
+   * failure, a deadlock, a busy SQLite database), as knex or the handler passed it on.
+   */
+  isConflict (error: unknown): boolean {
+    for (let cause = error, depth = 0; cause !== null && typeof cause === 'object' && depth < 5; cause = (cause as { cause?: unknown }).cause, depth++) {
+      if (this.#dialect.isConflict(cause)) return true
+    }
+    return false
   }
 
   /**

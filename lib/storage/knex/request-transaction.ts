@@ -1,0 +1,50 @@
+/**
+ * A transaction of KnexStorage, for transaction mode: opened at the isolation level asked for
+ * (before its first statement: PostgreSQL's BEGIN ISOLATION LEVEL, MySQL's SET TRANSACTION before
+ * BEGIN, SQLite's BEGIN IMMEDIATE), and, for a request's transaction, told where its request's
+ * lease is renewed while it is open (`LeaseHolding`, dialect.ts): where the transaction holds the
+ * lease, it renews it, the first time as soon as it opens when it must lock the key's row.
+ */
+import type { Knex } from 'knex'
+import { duration } from '../durations.js'
+import type { TransactionOptions } from '../types.js'
+import type { Dialect, LeaseHolding } from './dialect.js'
+import { encodeKey, trimmed } from './rows.js'
+
+/** Renew the lease `token` holds on `key` through the transaction: `false` when it was lost. */
+export type RenewInside = (key: string, token: string, lockTimeout: number) => Promise<boolean>
+
+export interface OpenedTransaction {
+  trx: Knex.Transaction
+  /** Present when the transaction holds its request's lease. */
+  renew?: RenewInside
+}
+
+/**
+ * Open a transaction as `options` say. `singleConnection`: the pool has one connection, which the
+ * transaction holds, so nothing else can renew the lease meanwhile. A request's transaction that
+ * finds its lease lost as it locks it is rolled back, and this throws.
+ */
+export async function openTransaction (dialect: Dialect, options: TransactionOptions, singleConnection: boolean): Promise<OpenedTransaction> {
+  const trx = await dialect.beginTransaction(options.isolationLevel)
+  const { lease } = options
+  if (lease === undefined) return { trx }
+  try {
+    const holding = await leaseHolding(dialect, trx, options, singleConnection)
+    if (holding === 'outside') return { trx }
+    const renew: RenewInside = async (key, token, lockTimeout) =>
+      await dialect.renewLease({ id: encodeKey(key), token, lease: duration('KnexStorage', 'lockTimeout', lockTimeout) }, trx).catch((error: unknown) => { throw trimmed(error) }) === 1
+    if (holding === 'locked' && !await renew(lease.key, lease.token, lease.lockTimeout)) {
+      throw new Error('KnexStorage: the lease was lost before its transaction could hold it')
+    }
+    return { trx, renew }
+  } catch (error) {
+    await trx.rollback().catch(() => {})
+    throw trimmed(error)
+  }
+}
+
+async function leaseHolding (dialect: Dialect, trx: Knex.Transaction, options: TransactionOptions, singleConnection: boolean): Promise<LeaseHolding> {
+  const holding = await dialect.leaseHolding(trx, options.isolationLevel)
+  return holding === 'outside' && singleConnection ? 'inside' : holding
+}
