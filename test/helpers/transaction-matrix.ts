@@ -88,8 +88,13 @@ export function transactionMatrix (target: MatrixTarget): void {
         const trx = transactionOf(request)
         await trx(orders).insert({ idem_key: key })
         const { hold } = request.body as { hold?: number }
-        // The scenario is a handler that takes this long, not a race to win.
-        if (hold !== undefined) await sleep(hold)
+        if (hold !== undefined) {
+          // A read first, as a handler that checks before it writes: the transaction's snapshot
+          // is taken here, before any renewal of its lease.
+          await trx(counter).where({ id: 1 }).first()
+          // The scenario is a handler that takes this long, not a race to win.
+          await sleep(hold)
+        }
         reply.code(201)
         return { key }
       })
