@@ -35,13 +35,20 @@ export interface MatrixTarget {
   steps: boolean
 }
 
-/** What one workload counted: requests committed and aborted (503), and the handler's runs per key. */
+/**
+ * What one workload counted: requests committed, replayed, refused as in progress (409) and
+ * aborted (503, over every round of retries), the most runs of the handler for one key, and the
+ * rounds of requests it took until every key had committed.
+ */
 export interface MatrixCount {
   target: string
   workload: string
   commits: number
+  replays: number
+  inProgress: number
   aborts: number
   maxRunsPerKey: number
+  rounds: number
 }
 
 export const MATRIX_COUNTS: MatrixCount[] = []
@@ -132,13 +139,16 @@ export function transactionMatrix (target: MatrixTarget): void {
       return { key, status: res.statusCode, replayed: res.headers['idempotent-replayed'] === 'true', retryAfter: res.headers['retry-after'] as string | undefined, body: res.body }
     }
     const rowsOf = async (name: string, key: string): Promise<number> => Number((await knex(name).where({ idem_key: key }).count({ n: '*' }))[0]!.n)
-    const record = (workload: string, answers: Answer[], keys: string[]): void => {
+    const record = (workload: string, answers: Answer[], keys: string[], rounds = 1): void => {
       MATRIX_COUNTS.push({
         target: target.label,
         workload,
         commits: answers.filter((a) => a.status === 201 && !a.replayed).length,
+        replays: answers.filter((a) => a.status === 201 && a.replayed).length,
+        inProgress: answers.filter((a) => a.status === 409).length,
         aborts: answers.filter((a) => a.status === 503).length,
-        maxRunsPerKey: Math.max(...keys.map((key) => runs.get(key) ?? 0))
+        maxRunsPerKey: Math.max(...keys.map((key) => runs.get(key) ?? 0)),
+        rounds
       })
     }
 
@@ -211,17 +221,21 @@ export function transactionMatrix (target: MatrixTarget): void {
       const keys = Array.from({ length: 8 }, () => newKey('conflict'))
       const before = Number((await knex(counter).where({ id: 1 }).first() as { n: number }).n)
       let answers = await Promise.all(keys.map((key) => send('/conflict', key)))
-      record('write conflict', answers, keys)
-      const refused = answers.filter((a) => a.status !== 201)
-      expect(refused.filter((a) => a.status !== 503 || a.retryAfter === undefined || !a.body.includes('#store-unavailable')).map((a) => `${a.status} ${a.body}`)).toEqual([])
-      const committed = answers.length - refused.length
+      const all = [...answers]
+      const notRetriable = (list: Answer[]): string[] => list.filter((a) => a.status !== 201 && (a.status !== 503 || a.retryAfter === undefined || !a.body.includes('#store-unavailable'))).map((a) => `${a.status} ${a.body}`)
+      expect(notRetriable(answers)).toEqual([])
+      const committed = answers.filter((a) => a.status === 201).length
       expect(Number((await knex(counter).where({ id: 1 }).first() as { n: number }).n)).toBe(before + committed)
       expect(Number((await knex(ledger).whereIn('idem_key', keys).count({ n: '*' }))[0]!.n)).toBe(committed)
       // The retries, until each key has committed once: a refused request kept nothing, so each
       // retry runs again.
-      for (let round = 0; round < 10 && answers.some((a) => a.status !== 201); round++) {
+      let rounds = 1
+      for (; rounds <= keys.length + 1 && answers.some((a) => a.status !== 201); rounds++) {
         answers = await Promise.all(answers.map(async (a) => a.status === 201 ? a : await send('/conflict', a.key)))
+        all.push(...answers.filter((a) => !all.includes(a)))
       }
+      record('write conflict', all, keys, rounds)
+      expect(notRetriable(all)).toEqual([])
       expect(answers.map((a) => a.status)).toEqual(keys.map(() => 201))
       expect(Number((await knex(counter).where({ id: 1 }).first() as { n: number }).n)).toBe(before + keys.length)
       for (const key of keys) expect(await rowsOf(ledger, key)).toBe(1)
@@ -233,6 +247,6 @@ export function transactionMatrix (target: MatrixTarget): void {
 export function reportMatrix (): void {
   afterAll(() => {
     if (process.env.IDEMPOTENCY_MATRIX_REPORT !== '1') return
-    for (const count of MATRIX_COUNTS) console.log(`MATRIX | ${count.target} | ${count.workload} | ${count.commits} | ${count.aborts} | ${count.maxRunsPerKey}`)
+    for (const c of MATRIX_COUNTS) console.log(`MATRIX | ${c.target} | ${c.workload} | ${c.commits} | ${c.replays} | ${c.inProgress} | ${c.aborts} | ${c.maxRunsPerKey} | ${c.rounds}`)
   })
 }

@@ -151,14 +151,12 @@ export class KnexStorage implements TransactionalStorage {
   }
 
   /**
-   * A handler's statement failed because its transaction conflicted with another (a serialization
-   * failure, a deadlock, a busy SQLite database), as knex or the handler passed it on.
+   * A statement of one of its transactions (a handler's) failed because the transaction conflicted
+   * with another: a serialization failure or deadlock (PostgreSQL), a deadlock, lock wait timeout or
+   * snapshot conflict (MySQL/MariaDB), a busy database (SQLite).
    */
   isConflict (error: unknown): boolean {
-    for (let cause = error, depth = 0; cause !== null && typeof cause === 'object' && depth < 5; cause = (cause as { cause?: unknown }).cause, depth++) {
-      if (this.#dialect.isConflict(cause)) return true
-    }
-    return false
+    return this.#dialect.isConflict(error)
   }
 
   /**

@@ -61,8 +61,8 @@ interface Session {
 }
 
 /**
- * Read through `trx` (a failed statement leaves a MySQL transaction as it was): MariaDB 11.1+
- * names the level `transaction_isolation`, earlier ones and MySQL 5.7 `tx_isolation`; MySQL has no
+ * Read through `trx` (a failed statement leaves a MySQL transaction as it was): MySQL 8 and
+ * MariaDB 11.1+ name the level `transaction_isolation`, earlier ones `tx_isolation`; MySQL has no
  * innodb_snapshot_isolation.
  */
 async function sessionOf (trx: Knex.Transaction): Promise<Session> {
@@ -74,10 +74,9 @@ async function sessionOf (trx: Knex.Transaction): Promise<Session> {
       return undefined
     }
   }
-  const snapshotIsolation = await value('innodb_snapshot_isolation')
   return {
-    snapshotIsolation: snapshotIsolation === '1' || snapshotIsolation?.toUpperCase() === 'ON',
-    level: await value('tx_isolation') ?? await value('transaction_isolation') ?? 'REPEATABLE-READ'
+    snapshotIsolation: await value('innodb_snapshot_isolation') === '1',
+    level: await value('transaction_isolation') ?? await value('tx_isolation') ?? 'REPEATABLE-READ'
   }
 }
 

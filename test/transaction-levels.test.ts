@@ -1,0 +1,218 @@
+/**
+ * How each database opens a request's transaction at the level a route names, and what its handler
+ * then reads of a row another connection changes between two reads: PostgreSQL (BEGIN ISOLATION
+ * LEVEL), MariaDB (SET TRANSACTION before BEGIN, which MariaDB refuses inside a transaction).
+ * What the store does when the transaction must hold the lease and cannot; which errors it counts
+ * as a transaction conflict. SQLite: BEGIN IMMEDIATE for serializable (the write lock taken at
+ * once), DEFERRED otherwise (the write lock at the first write, which fails when another
+ * connection holds it: answered 503 with Retry-After, as any transaction conflict).
+ */
+import { mkdtempSync, rmSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
+import { afterAll, describe, expect, it } from 'vitest'
+import Fastify from 'fastify'
+import knexFactory, { type Knex } from 'knex'
+import idempotency, { idempotencyErrorHandler, type IsolationLevel } from '../lib/index.js'
+import { KnexStorage, dropIdempotencyTable, transactionOf } from '../lib/knex.js'
+import { Gate } from './helpers/gate.js'
+import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
+import { newKey } from './helpers/app.js'
+
+const stamp = `${process.pid}_${Date.now().toString(36)}`
+const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-trx-levels-'))
+afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
+
+const servers: Array<{ name: string, availability: Availability, config: Knex.Config, begins: Record<IsolationLevel, string[]>, lockWait: string }> = [
+  {
+    name: 'PostgreSQL',
+    availability: await service(POSTGRES),
+    config: { client: 'pg', connection: pgConnection },
+    begins: { 'read committed': ['BEGIN TRANSACTION ISOLATION LEVEL read committed;'], 'repeatable read': ['BEGIN TRANSACTION ISOLATION LEVEL repeatable read;'], serializable: ['BEGIN TRANSACTION ISOLATION LEVEL serializable;'] },
+    lockWait: "SET lock_timeout = '500ms'"
+  },
+  {
+    name: 'MariaDB',
+    availability: await service(MARIADB),
+    config: { client: 'mysql2', connection: mysqlConnection },
+    begins: { 'read committed': ['SET TRANSACTION ISOLATION LEVEL read committed;', 'BEGIN;'], 'repeatable read': ['SET TRANSACTION ISOLATION LEVEL repeatable read;', 'BEGIN;'], serializable: ['SET TRANSACTION ISOLATION LEVEL serializable;', 'BEGIN;'] },
+    lockWait: 'SET SESSION innodb_lock_wait_timeout = 1'
+  }
+]
+
+/**
+ * What a handler that reads one row twice sees when another connection changes the row in
+ * between, at each level: the change (read committed), the first value again (repeatable read),
+ * and, on MariaDB at serializable, no change at all (its read locked the row, and the other
+ * connection's update waited for the lock until its timeout).
+ */
+const EXPECTED: Record<string, Record<IsolationLevel, { changed: boolean, secondSeesChange: boolean }>> = {
+  PostgreSQL: { 'read committed': { changed: true, secondSeesChange: true }, 'repeatable read': { changed: true, secondSeesChange: false }, serializable: { changed: true, secondSeesChange: false } },
+  MariaDB: { 'read committed': { changed: true, secondSeesChange: true }, 'repeatable read': { changed: true, secondSeesChange: false }, serializable: { changed: false, secondSeesChange: false } }
+}
+
+for (const [index, server] of servers.entries()) {
+  describe.skipIf(!server.availability.available)(`isolation levels on ${server.name}${server.availability.reason}`, () => {
+    const knex = knexFactory(server.config)
+    /** Another connection, as another process would have, which waits for a row lock briefly. */
+    const other = knexFactory({ ...server.config, pool: { min: 0, max: 1, afterCreate: (connection: { query: (sql: string, done: (error: Error | null) => void) => void }, done: (error: Error | null, connection: unknown) => void) => { connection.query(server.lockWait, (error) => { done(error, connection) }) } } })
+    const table = `trx_levels_${stamp}_${index}`
+    const counter = `${table}_counter`
+    const storage = new KnexStorage({ knex, tableName: table, createTable: true })
+    const sent: string[] = []
+    knex.on('query', (query: { sql: string }) => { sent.push(query.sql) })
+    const gates = new Map<string, Gate>()
+    const ready = (async () => {
+      await knex.schema.createTable(counter, (t) => { t.integer('id').primary(); t.integer('n').notNullable() })
+      await knex(counter).insert({ id: 1, n: 0 })
+      const app = Fastify()
+      await app.register(idempotency, { storage })
+      app.setErrorHandler(idempotencyErrorHandler())
+      for (const level of ['read committed', 'repeatable read', 'serializable'] as const) {
+        app.post(`/${level.replace(' ', '-')}`, { config: { idempotency: { transaction: { isolationLevel: level } } } }, async (request) => {
+          const trx = transactionOf(request)
+          const first = (await trx(counter).where({ id: 1 }).first()).n as number
+          await gates.get(request.idempotency!.key)?.hold()
+          const second = (await trx(counter).where({ id: 1 }).first()).n as number
+          return { first, second }
+        })
+      }
+      await app.ready()
+      return app
+    })()
+    afterAll(async () => {
+      await (await ready).close()
+      await knex.schema.dropTableIfExists(counter)
+      await dropIdempotencyTable(knex, table)
+      await knex.destroy()
+      await other.destroy()
+    })
+
+    for (const level of ['read committed', 'repeatable read', 'serializable'] as const) {
+      it(`opens the transaction at ${level} before the handler's first statement, and the handler reads as that level does`, async () => {
+        const app = await ready
+        const key = newKey('level')
+        const gate = new Gate()
+        gates.set(key, gate)
+        sent.length = 0
+        const answer = app.inject({ method: 'POST', url: `/${level.replace(' ', '-')}`, headers: { 'idempotency-key': key }, payload: {} })
+        await gate.entered
+        // Another connection changes the row the handler read, between its two reads.
+        const changed = await other(counter).where({ id: 1 }).increment('n', 1).then(() => true, () => false)
+        gate.open()
+        const res = await answer
+        expect(res.statusCode).toBe(200)
+        const { first, second } = res.json() as { first: number, second: number }
+        expect({ changed, secondSeesChange: second !== first }).toEqual(EXPECTED[server.name]![level])
+        const begin = sent.findIndex((sql) => sql.startsWith('BEGIN') || sql.startsWith('SET TRANSACTION'))
+        expect(sent.slice(begin, begin + server.begins[level].length)).toEqual(server.begins[level])
+      })
+    }
+
+    it('refuses to open a transaction that must hold a lease it cannot hold, and leaves no row behind', async () => {
+      await ready
+      const held = newKey('held')
+      const lease = await storage.begin(held, 'fp', 60_000)
+      expect(lease.state).toBe('acquired')
+      const options = (key: string, token: string) => ({ request: true, isolationLevel: 'serializable' as const, lease: { key, token, lockTimeout: 60_000 } })
+      if (server.name === 'PostgreSQL') {
+        await expect(storage.transaction(options(held, 'not-its-token'))).rejects.toThrow(/the lease was lost before its transaction could hold it/)
+        const absent = newKey('absent')
+        await expect(storage.transaction(options(absent, 'any'))).rejects.toThrow(/the lease was lost/)
+        expect(await storage.inspect(absent)).toEqual({ state: 'absent' })
+      }
+      // The lease it holds is untouched, and a transaction under it opens.
+      const opened = await storage.transaction(options(held, (lease as { token: string }).token))
+      await opened.rollback()
+      expect((await storage.inspect(held)).state).toBe('in-flight')
+    })
+
+    it('knows a conflict of a handler\'s transaction from any other failure', () => {
+      const conflicts = server.name === 'PostgreSQL' ? [{ code: '40001' }, { code: '40P01' }] : [{ errno: 1213 }, { errno: 1205 }, { errno: 1020 }]
+      for (const error of conflicts) expect(storage.isConflict(Object.assign(new Error('conflict'), error))).toBe(true)
+      expect(storage.isConflict(Object.assign(new Error('duplicate key'), { code: '23505', errno: 1062 }))).toBe(false)
+      expect(storage.isConflict(null)).toBe(false)
+    })
+  })
+}
+
+describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
+  const file = join(sqliteDir, 'levels.db')
+  /** No busy wait: better-sqlite3 waits synchronously, and the holder is in this process. */
+  const noWait = { afterCreate: (db: { pragma: (sql: string) => unknown }, done: (error: Error | null, db: unknown) => void) => { db.pragma('busy_timeout = 0'); done(null, db) } }
+  const knex = knexFactory({ client: 'better-sqlite3', connection: { filename: file }, useNullAsDefault: true, pool: noWait })
+  /** Another connection to the same file, as another process would have. */
+  const other = knexFactory({ client: 'better-sqlite3', connection: { filename: file }, useNullAsDefault: true, pool: noWait })
+  const table = `trx_levels_${stamp}_sqlite`
+  const orders = `${table}_orders`
+  const gates = new Map<string, Gate>()
+  /** Called when a handler's write failed, before it throws. */
+  const failed = new Map<string, () => Promise<void>>()
+  let runs = 0
+  const ready = (async () => {
+    await knex.schema.createTable(orders, (t) => { t.increments('id'); t.string('idem_key', 200) })
+    const app = Fastify()
+    await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }) })
+    app.setErrorHandler(idempotencyErrorHandler())
+    for (const [path, transaction] of [['/immediate', { isolationLevel: 'serializable' }], ['/deferred', true]] as const) {
+      app.post(path, { config: { idempotency: { transaction } } }, async (request) => {
+        runs++
+        const key = request.idempotency!.key
+        await gates.get(key)?.hold()
+        try {
+          await transactionOf(request)(orders).insert({ idem_key: key })
+        } catch (error) {
+          await failed.get(key)?.()
+          throw error
+        }
+        return { ok: true }
+      })
+    }
+    return app
+  })()
+  afterAll(async () => {
+    await (await ready).close()
+    await knex.schema.dropTableIfExists(orders)
+    await dropIdempotencyTable(knex, table)
+    await knex.destroy()
+    await other.destroy()
+  })
+  const send = async (path: string, key: string) => await (await ready).inject({ method: 'POST', url: path, headers: { 'idempotency-key': key }, payload: {} })
+
+  it('immediate: the transaction holds the write lock from its start, before the handler writes', async () => {
+    const key = newKey('immediate')
+    const gate = new Gate()
+    gates.set(key, gate)
+    const answer = send('/immediate', key)
+    await gate.entered
+    await expect(other(orders).insert({ idem_key: 'elsewhere' })).rejects.toMatchObject({ code: 'SQLITE_BUSY' })
+    gate.open()
+    expect((await answer).statusCode).toBe(200)
+  })
+
+  it('deferred: the write lock waits for the first write, which fails while another connection holds it: 503 with Retry-After, nothing kept, the retry commits', async () => {
+    const key = newKey('deferred')
+    const gate = new Gate()
+    gates.set(key, gate)
+    const answer = send('/deferred', key)
+    await gate.entered
+    // Nothing held yet: another connection writes.
+    await other(orders).insert({ idem_key: 'elsewhere' })
+    const holder = await other.transaction()
+    await holder(orders).insert({ idem_key: 'holding the write lock' })
+    // Once the handler's write has failed, the other connection commits (the key is then given back).
+    failed.set(key, async () => { await holder.commit() })
+    gate.open()
+    const refused = await answer
+    expect(refused.statusCode).toBe(503)
+    expect(refused.json().type).toMatch(/#store-unavailable$/)
+    expect(refused.headers['retry-after']).toBe('1')
+    expect(await knex(orders).where({ idem_key: key }).count({ n: '*' })).toEqual([{ n: 0 }])
+    gates.delete(key)
+    failed.delete(key)
+    const runsBefore = runs
+    expect((await send('/deferred', key)).statusCode).toBe(200)
+    expect(runs).toBe(runsBefore + 1)
+    expect(await knex(orders).where({ idem_key: key }).count({ n: '*' })).toEqual([{ n: 1 }])
+  })
+})
