@@ -20,23 +20,14 @@ const mariadb = await service(MARIADB)
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-trx-levels-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
 
-for (const isolationLevel of LEVELS) {
-  transactionMatrix({
-    label: `PostgreSQL, ${isolationLevel}`,
-    availability: postgres,
-    connect: () => knexFactory({ client: 'pg', connection: pgConnection }),
-    transaction: { isolationLevel },
-    steps: true
-  })
-}
-for (const isolationLevel of LEVELS) {
-  transactionMatrix({
-    label: `MariaDB, ${isolationLevel}`,
-    availability: mariadb,
-    connect: () => knexFactory({ client: 'mysql2', connection: mysqlConnection }),
-    transaction: { isolationLevel },
-    steps: true
-  })
+const servers = [
+  { name: 'PostgreSQL', availability: postgres, connect: () => knexFactory({ client: 'pg', connection: pgConnection }) },
+  { name: 'MariaDB', availability: mariadb, connect: () => knexFactory({ client: 'mysql2', connection: mysqlConnection }) }
+]
+for (const { name, availability, connect } of servers) {
+  for (const isolationLevel of LEVELS) {
+    transactionMatrix({ label: `${name}, ${isolationLevel}`, availability, connect, transaction: { isolationLevel }, steps: true })
+  }
 }
 // MariaDB 11.6 and later check snapshots on write by default (innodb_snapshot_isolation): a
 // REPEATABLE READ transaction then cannot change a row changed after it read. 10.11 has the
