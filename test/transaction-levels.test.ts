@@ -10,6 +10,7 @@
 import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
+import { setImmediate } from 'node:timers/promises'
 import { afterAll, describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import knexFactory, { type Knex } from 'knex'
@@ -18,8 +19,14 @@ import { KnexStorage, dropIdempotencyTable, transactionOf } from '../lib/knex.js
 import { Gate } from './helpers/gate.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { newKey } from './helpers/app.js'
+import { scaled } from './helpers/pace.js'
 
 const stamp = `${process.pid}_${Date.now().toString(36)}`
+
+/** Resolves once `check` holds: a state of the database another connection waits to reach, asked for again on each turn. */
+async function until (check: () => Promise<boolean>): Promise<void> {
+  while (!await check()) await setImmediate()
+}
 const sqliteDir = mkdtempSync(join(tmpdir(), 'idem-trx-levels-'))
 afterAll(() => rmSync(sqliteDir, { recursive: true, force: true }))
 
@@ -77,6 +84,12 @@ for (const [index, server] of servers.entries()) {
           return { first, second }
         })
       }
+      for (const level of ['read committed', 'serializable'] as const) {
+        app.post(`/waiting-${level.replace(' ', '-')}`, { config: { idempotency: { wait: true, waitTimeout: scaled(20_000), storeTimeout: scaled(20_000), transaction: { isolationLevel: level } } } }, async (request) => {
+          await gates.get(request.idempotency!.key)?.hold()
+          return { ok: true }
+        })
+      }
       await app.ready()
       return app
     })()
@@ -107,6 +120,34 @@ for (const [index, server] of servers.entries()) {
         const begin = sent.findIndex((sql) => sql.startsWith('BEGIN') || sql.startsWith('SET TRANSACTION'))
         expect(sent.slice(begin, begin + server.begins[level].length)).toEqual(server.begins[level])
       })
+    }
+
+    if (server.name === 'PostgreSQL') {
+      for (const level of ['read committed', 'serializable'] as const) {
+        it(`wakes a duplicate that waits (wait mode) when the first commits, at ${level}`, async () => {
+          const app = await ready
+          const key = newKey('waited')
+          const gate = new Gate()
+          gates.set(key, gate)
+          const url = `/waiting-${level.replace(' ', '-')}`
+          const first = app.inject({ method: 'POST', url, headers: { 'idempotency-key': key }, payload: {} })
+          await gate.entered
+          const duplicate = app.inject({ method: 'POST', url, headers: { 'idempotency-key': key }, payload: {} })
+          // The duplicate has marked the lease it waits for (read committed), or waits for the row
+          // lock the first request's transaction holds to mark it (serializable).
+          await until(async () => level === 'read committed'
+            ? (await other(table).select('waiting')).some((row: { waiting: boolean }) => row.waiting)
+            : (await other.raw("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%SET waiting = true%'")).rows.length > 0)
+          const openedAt = Date.now()
+          gate.open()
+          expect((await first).statusCode).toBe(200)
+          const replay = await duplicate
+          expect(replay.statusCode).toBe(200)
+          expect(replay.headers['idempotent-replayed']).toBe('true')
+          // Woken by the commit (its NOTIFY, or the row lock's end), not by the end of its wait.
+          expect(Date.now() - openedAt).toBeLessThan(scaled(2000))
+        })
+      }
     }
 
     it('refuses to open a transaction that must hold a lease it cannot hold, and leaves no row behind', async () => {

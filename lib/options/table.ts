@@ -78,8 +78,7 @@ function transactionOf (options: Pick<IdempotencyRouteOptions, 'transaction'>, c
   if (!checkTransaction(options.transaction !== undefined && options.transaction !== false, context.storage, context.name)) return null
   let isolationLevel: IsolationLevel | undefined
   for (const { transaction } of context.layers) {
-    if (transaction === false) isolationLevel = undefined
-    else if (typeof transaction === 'object' && transaction.isolationLevel !== undefined) isolationLevel = transaction.isolationLevel
+    if (typeof transaction === 'object' && transaction.isolationLevel !== undefined) isolationLevel = transaction.isolationLevel
   }
   return isolationLevel === undefined ? {} : { isolationLevel }
 }
