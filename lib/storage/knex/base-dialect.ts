@@ -103,9 +103,19 @@ export abstract class BaseDialect implements Dialect {
     return { chosen: deleted, deleted }
   }
 
-  /** The fenced row of a held lease. */
+  /**
+   * The fenced row of a held lease: its token, and a lease that has not lapsed. Inside a
+   * transaction (transaction mode: a request's, or a recovery point's), the token alone. A lease is
+   * taken over only by writing a new token, and given back only by deleting the row, so a row that
+   * still holds the token is still the lease's, lapsed or not. And where the transaction holds the
+   * lease, its renewals go through its own connection, which a statement of the handler may keep
+   * busy for longer than `lockTimeout` (waiting for a lock a migration holds, say): the lease then
+   * lapses in the transaction's view while the transaction, holding the row's lock, keeps every
+   * other writer out.
+   */
   private heldLease (db: Knex | Knex.Transaction, { id, token }: HeldLease): Knex.QueryBuilder {
-    return db(this.table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhereRaw(`lease_end > ${this.clock.now}`, this.clock.values())
+    const row = db(this.table).where({ idempotency_key: id, token, state: 'in_flight' })
+    return db.isTransaction === true ? row : row.andWhereRaw(`lease_end > ${this.clock.now}`, this.clock.values())
   }
 
   /** `ms` from now, as a value to write. */

@@ -60,8 +60,10 @@ const storeResponse = (N: string, table: string, B: string): string => `UPDATE $
 // as it does a small table), and then every other request's change to those pages or that table is
 // a read/write conflict: requests for unrelated keys aborted each other. ON CONFLICT finds the row
 // through the unique index without recording a read, and takes its row lock; its WHERE then decides
-// on the locked row. When the row is gone, the proposed row is inserted instead (a dead lease: no
-// token, expired): the statement says nothing was kept, and the transaction is rolled back with it.
+// on the locked row, by the lease's token alone, as every statement inside a transaction does (see
+// heldLease in base-dialect.ts). When the row is gone, the proposed row is inserted instead (a dead
+// lease: no token, expired): the statement says nothing was kept, and the transaction is rolled
+// back with it.
 // `F` is the proposed fingerprint: empty, or with statementTimeout, empty after setting the
 // transaction's lock_timeout, which then bounds the wait for the row lock (the values are computed
 // before the insert is tried).
@@ -72,10 +74,10 @@ const onKeyRow = (table: string, F: string, change: string, held: string, return
   RETURNING ${returning}`
 const storeResponseInside = (N: string, table: string, F: string): string => onKeyRow(table, F,
   `state = 'completed', token = NULL, lease_end = ${N}, status_code = $2, content_type = $3, headers = $4, body = $5, expires_at = ${N} + $6::bigint`,
-  `cur.token = $7 AND cur.state = 'in_flight' AND cur.lease_end > ${N}`, "cur.state = 'completed' AS kept, cur.waiting")
+  "cur.token = $7 AND cur.state = 'in_flight'", "cur.state = 'completed' AS kept, cur.waiting")
 const renewInside = (N: string, table: string): string => onKeyRow(table, "''",
   `lease_end = ${N} + $3::bigint, expires_at = ${N} + $3::bigint`,
-  `cur.token = $2 AND cur.state = 'in_flight' AND cur.lease_end > ${N}`, 'cur.token IS NOT NULL AS kept')
+  "cur.token = $2 AND cur.state = 'in_flight'", 'cur.token IS NOT NULL AS kept')
 
 const giveBack = (N: string, B: string): string => notifying(`DELETE FROM ?? WHERE idempotency_key = ? AND token = ? AND state = 'in_flight' AND lease_end > ${N}${B}`)
 
