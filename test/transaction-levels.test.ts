@@ -257,3 +257,52 @@ describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
     expect(await knex(orders).where({ idem_key: key }).count({ n: '*' })).toEqual([{ n: 1 }])
   })
 })
+
+describe.skipIf(!servers[0]!.availability.available)(`PostgreSQL: a serialization failure at COMMIT${servers[0]!.availability.reason}`, () => {
+  const warnings: string[] = []
+  const log = { warn: (message: string) => { warnings.push(String(message)) }, error: () => {}, debug: () => {}, deprecate: () => {} }
+  // One connection, so that the request after the failure shows whether it was kept.
+  const knex = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 1 }, log })
+  const table = `trx_levels_${stamp}_commit`
+  const orders = `${table}_orders`
+  const ready = (async () => {
+    // COMMIT fails as SERIALIZABLE's does when it finds a dangerous structure: deterministically,
+    // through a constraint trigger checked at commit.
+    await knex.raw(`CREATE TABLE ${orders} (id serial PRIMARY KEY, idem_key text, refused boolean NOT NULL DEFAULT false)`)
+    await knex.raw(`CREATE FUNCTION ${orders}_refuse () RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.refused THEN RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001'; END IF; RETURN NEW; END $$`)
+    await knex.raw(`CREATE CONSTRAINT TRIGGER ${orders}_refuse AFTER INSERT ON ${orders} DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION ${orders}_refuse()`)
+    const app = Fastify()
+    await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }), transaction: { isolationLevel: 'serializable' } })
+    app.setErrorHandler(idempotencyErrorHandler())
+    app.post('/orders', { config: { idempotency: true } }, async (request) => {
+      const trx = transactionOf(request)
+      await trx(orders).insert({ idem_key: request.idempotency!.key, refused: (request.body as { refused: boolean }).refused })
+      return { pid: (await trx.raw('SELECT pg_backend_pid() AS pid')).rows[0].pid as number }
+    })
+    await app.ready()
+    return app
+  })()
+  afterAll(async () => {
+    await (await ready).close()
+    await knex.raw(`DROP TABLE IF EXISTS ${orders}`)
+    await knex.raw(`DROP FUNCTION IF EXISTS ${orders}_refuse()`)
+    await dropIdempotencyTable(knex, table)
+    await knex.destroy()
+  })
+
+  it('is answered 503 with Retry-After, keeps nothing, and keeps its connection, which is sound', async () => {
+    const app = await ready
+    const send = async (key: string, refused: boolean) => await app.inject({ method: 'POST', url: '/orders', headers: { 'idempotency-key': key }, payload: { refused } })
+    const before = (await send(newKey('commit'), false)).json().pid as number
+    const key = newKey('commit')
+    const refused = await send(key, true)
+    expect(refused.statusCode).toBe(503)
+    expect(refused.headers['retry-after']).toBe('1')
+    expect(await knex(orders).where({ idem_key: key }).count({ n: '*' })).toEqual([{ n: '0' }])
+    const after = await send(newKey('commit'), false)
+    expect(after.statusCode).toBe(200)
+    expect(warnings.filter((warning) => warning.includes('Connection Error'))).toEqual([])
+    // The pool's one connection is the one it had.
+    expect(after.json().pid).toBe(before)
+  })
+})

@@ -100,17 +100,19 @@ export interface PurgedBatch {
 }
 
 /**
- * Where the lease of a request is renewed while its transaction is open:
- * - `outside`: by the store's `renew`, on another connection, committed at once, so that every
- *   process sees it; the transaction touches the key's row only to store the response.
- * - `inside`: through the transaction, from its first renewal on: no other connection can write
- *   meanwhile (SQLite, whose one writer the transaction becomes; a pool of one connection).
- * - `locked`: through the transaction, and once as soon as it opens, which locks the key's row
- *   until it ends: a transaction whose snapshot is older than a change to a row cannot change that
- *   row (PostgreSQL's REPEATABLE READ and SERIALIZABLE, MariaDB with innodb_snapshot_isolation), so
- *   a renewal committed beside it would make storing the response fail. The row lock keeps every
- *   other writer of the row out (a waiter's mark, a purge, a takeover) until the transaction ends,
- *   as the lease would; a process that dies ends its transaction, and the row lock with it.
+ * Where the lease of a request is kept while its transaction is open:
+ * - `outside`: renewed by the store's `renew`, on another connection, committed at once, so that
+ *   every process sees it; the transaction touches the key's row only to store the response.
+ * - `locked`: held by the transaction, which writes the key's row as soon as it opens, and so locks
+ *   it until it ends. A transaction whose snapshot is older than a change to a row cannot change
+ *   that row (PostgreSQL's REPEATABLE READ and SERIALIZABLE, MariaDB with
+ *   innodb_snapshot_isolation), so a renewal committed beside it would make storing the response
+ *   fail; and a pool of one has no other connection to renew on. The row lock keeps every other
+ *   writer of the row out (a waiter's mark, a purge, a takeover) until the transaction ends, as the
+ *   lease would; a process that dies ends its transaction, and the row lock with it.
+ * - `inside`: held by the transaction from the lease's first renewal on, which writes the key's row
+ *   through it (SQLite: the transaction then holds the database's one write lock, which a DEFERRED
+ *   transaction takes no earlier; nothing else can renew meanwhile, on its one connection).
  */
 export type LeaseHolding = 'outside' | 'inside' | 'locked'
 

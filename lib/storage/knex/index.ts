@@ -170,9 +170,10 @@ export class KnexStorage implements TransactionalStorage {
    * knex's ROLLBACK then ends it either way (after a COMMIT that went through there is nothing left
    * to roll back, and SQLite only says so).
    *
-   * Elsewhere the connection whose COMMIT failed is not used again: a connection killed during
-   * COMMIT went back to knex's pool before its driver noticed, and the very next statement (the
-   * lease given back) took it and failed too, which left the key locked until `lockTimeout`.
+   * Elsewhere the connection whose COMMIT failed is not used again, unless the server refused it as
+   * a serialization failure: a connection killed during COMMIT went back to knex's pool before its
+   * driver noticed, and the very next statement (the lease given back) took it and failed too,
+   * which left the key locked until `lockTimeout`.
    */
   async #commit (trx: Knex.Transaction): Promise<void> {
     if (this.#dialect.name === 'sqlite') {
@@ -186,8 +187,10 @@ export class KnexStorage implements TransactionalStorage {
     const connection = await (trx.client as { acquireConnection: () => Promise<{ __knex__disposed?: unknown }> }).acquireConnection()
     await trx.commit()
     await trx.executionPromise.catch((error: unknown) => {
-      // knex's pool checks this before it hands a connection out, and destroys it instead.
-      connection.__knex__disposed ??= error
+      // knex's pool checks this before it hands a connection out, and destroys it instead. A
+      // serialization failure is the server's answer on a sound connection: that one is kept
+      // (at SERIALIZABLE they are routine, and each would cost a new connection and knex's warning).
+      if (!this.#dialect.isConflict(error)) connection.__knex__disposed ??= error
       throw trimmed(error)
     })
   }

@@ -3,7 +3,7 @@
  * (before its first statement: PostgreSQL's BEGIN ISOLATION LEVEL, MySQL's SET TRANSACTION before
  * BEGIN, SQLite's BEGIN IMMEDIATE), and, for a request's transaction, told where its request's
  * lease is renewed while it is open (`LeaseHolding`, dialect.ts): where the transaction holds the
- * lease, it renews it, the first time as soon as it opens when it must lock the key's row.
+ * lease, it locks the key's row, as soon as it opens or at the lease's first renewal.
  */
 import type { Knex } from 'knex'
 import { duration } from '../durations.js'
@@ -32,8 +32,7 @@ export async function openTransaction (dialect: Dialect, options: TransactionOpt
   try {
     const holding = await leaseHolding(dialect, trx, options, singleConnection)
     if (holding === 'outside') return { trx }
-    const renew: RenewInside = async (key, token, lockTimeout) =>
-      await dialect.renewLease({ id: encodeKey(key), token, lease: duration('KnexStorage', 'lockTimeout', lockTimeout) }, trx).catch((error: unknown) => { throw trimmed(error) }) === 1
+    const renew = holdingLease(dialect, trx)
     if (holding === 'locked' && !await renew(lease.key, lease.token, lease.lockTimeout)) {
       throw new Error('KnexStorage: the lease was lost before its transaction could hold it')
     }
@@ -44,7 +43,27 @@ export async function openTransaction (dialect: Dialect, options: TransactionOpt
   }
 }
 
+/**
+ * A pool of one cannot renew beside the transaction: there the transaction locks the key's row as
+ * it opens, before the handler's statements can keep its connection busy.
+ */
 async function leaseHolding (dialect: Dialect, trx: Knex.Transaction, options: TransactionOptions, singleConnection: boolean): Promise<LeaseHolding> {
   const holding = await dialect.leaseHolding(trx, options.isolationLevel)
-  return holding === 'outside' && singleConnection ? 'inside' : holding
+  return holding === 'outside' && singleConnection ? 'locked' : holding
+}
+
+/**
+ * The lease renewed through `trx`: by writing the key's row once, which locks it until the
+ * transaction ends (PostgreSQL's and InnoDB's row lock, SQLite's write lock). From then on nothing
+ * else can take the key over, and inside the transaction the row is fenced by the lease's token
+ * alone (heldLease, base-dialect.ts), so the later renewals write nothing: they could not be relied
+ * on anyway while a statement of the handler keeps the connection busy, and a second query sent
+ * to a busy node-postgres client is deprecated.
+ */
+function holdingLease (dialect: Dialect, trx: Knex.Transaction): RenewInside {
+  let held = false
+  return async (key, token, lockTimeout) => {
+    held ||= await dialect.renewLease({ id: encodeKey(key), token, lease: duration('KnexStorage', 'lockTimeout', lockTimeout) }, trx).catch((error: unknown) => { throw trimmed(error) }) === 1
+    return held
+  }
 }
