@@ -3,10 +3,16 @@
  * connection is not a direct one: a role whose default is SERIALIZABLE (`ALTER ROLE ... SET
  * default_transaction_isolation`, on a role of this file's own, with a schema of its own), and
  * PgBouncer in transaction pooling at the levels that record what they read. The same workloads
- * as test/transaction-isolation.test.ts.
+ * as test/transaction-isolation.test.ts; and, on that role, the store's own statements in plain
+ * and in transaction mode, which run as READ COMMITTED: at the role's SERIALIZABLE they recorded
+ * their reads, and failed one another (and the requests' transactions) as serialization failures.
  */
-import { afterAll, beforeAll } from 'vitest'
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import Fastify from 'fastify'
 import knexFactory, { type Knex } from 'knex'
+import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
+import { KnexStorage } from '../lib/knex.js'
+import { newKey } from './helpers/app.js'
 import { POSTGRES, pgConnection, service } from './helpers/services.js'
 import { pgbouncer } from './helpers/pgbouncer.js'
 import { reportMatrix, transactionMatrix } from './helpers/transaction-matrix.js'
@@ -49,3 +55,29 @@ for (const isolationLevel of ['repeatable read', 'serializable'] as const) {
   })
 }
 reportMatrix()
+
+describe.skipIf(!postgres.available)(`the store's own statements, on a role whose default is SERIALIZABLE${postgres.reason}`, () => {
+  it('never fail one another: 200 first requests with distinct keys, 40 at a time, each stored at once, in plain and in transaction mode', async () => {
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } })
+    const table = `plain_${process.pid}`
+    try {
+      for (const transaction of [false, true]) {
+        const problems: string[] = []
+        const app = Fastify({ logger: { level: 'warn', stream: { write: (line: string) => { problems.push(String(JSON.parse(line).msg)) } } } })
+        await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: `${table}_${String(transaction)}`, createTable: true }), transaction })
+        app.setErrorHandler(idempotencyErrorHandler())
+        app.post('/o', { config: { idempotency: true } }, async () => ({ ok: true }))
+        await app.ready()
+        const codes: number[] = []
+        for (let round = 0; round < 5; round++) {
+          const answers = await Promise.all(Array.from({ length: 40 }, async () => await app.inject({ method: 'POST', url: '/o', headers: { 'idempotency-key': newKey('plain') }, payload: {} })))
+          codes.push(...answers.map((answer) => answer.statusCode))
+        }
+        await app.close()
+        expect({ transaction, refused: codes.filter((code) => code !== 200).length, problems }).toEqual({ transaction, refused: 0, problems: [] })
+      }
+    } finally {
+      await knex.destroy()
+    }
+  })
+})
