@@ -172,6 +172,8 @@ export class PostgresDialect extends BaseDialect {
    * runs at (see `leaseHolding`), and what each statement standing alone runs at (see `#send`).
    */
   #sessionLevel = 'read committed'
+  /** The sessions default to REPEATABLE READ or SERIALIZABLE (see `#send`). */
+  #strictSession = false
   readonly #giveBack: string
   readonly #markWaiting: string
   /**
@@ -237,6 +239,7 @@ export class PostgresDialect extends BaseDialect {
       [connection.processID, (await connection.query("SELECT pg_backend_pid() AS pid, current_setting('default_transaction_isolation') AS level")).rows[0]])
     this.#path.pooled = Number(pid[0]) !== Number((pid[1] as { pid: unknown }).pid)
     this.#sessionLevel = String((pid[1] as { level: unknown }).level)
+    this.#strictSession = !readsCommitted(this.#sessionLevel)
     if (this.#path.pooled && this.#namedByChoice !== true) this.#named = false
   }
 
@@ -355,7 +358,7 @@ export class PostgresDialect extends BaseDialect {
    */
   async #send (db: Knex | Knex.Transaction, query: PgQuery): Promise<{ rows: unknown[] }> {
     const cancelAfter = this.#path.pooled ? 0 : this.#statementTimeout
-    const strict = db.isTransaction !== true && !readsCommitted(this.#sessionLevel)
+    const strict = this.#strictSession && db.isTransaction !== true
     return await onConnection<PgConnection, { rows: unknown[] }>(db, cancelAfter, async (connection) => {
       if (!strict) return await connection.query(query)
       await connection.query('BEGIN ISOLATION LEVEL READ COMMITTED')
