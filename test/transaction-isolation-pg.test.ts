@@ -57,6 +57,29 @@ for (const isolationLevel of ['repeatable read', 'serializable'] as const) {
 reportMatrix()
 
 describe.skipIf(!postgres.available)(`the store's own statements, on a role whose default is SERIALIZABLE${postgres.reason}`, () => {
+  it('roll back their own READ COMMITTED transaction when they fail, and leave the connection ready for the next', async () => {
+    // One connection: the statement after the failure runs on it.
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role }, pool: { min: 0, max: 1 } })
+    const other = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role }, pool: { min: 0, max: 1 } })
+    const storage = new KnexStorage({ knex, tableName: `failing_${process.pid}`, createTable: true, statementTimeout: 200 })
+    try {
+      const key = newKey('locked')
+      expect((await storage.begin(key, 'fp', 100)).state).toBe('acquired')
+      // Another transaction holds the key's row while its lease lapses: the next begin waits for it
+      // past statementTimeout, and fails.
+      const holder = await other.transaction()
+      await holder.raw(`SELECT 1 FROM ${role}.failing_${process.pid} FOR UPDATE`)
+      await new Promise((resolve) => setTimeout(resolve, 150))
+      await expect(storage.begin(key, 'fp', 60_000)).rejects.toThrow(/lock timeout/)
+      await holder.commit()
+      expect((await storage.begin(newKey('next'), 'fp', 60_000)).state).toBe('acquired')
+      expect((await knex.raw("SELECT current_setting('transaction_isolation') AS level")).rows[0].level).toBe('serializable')
+    } finally {
+      await knex.destroy()
+      await other.destroy()
+    }
+  })
+
   it('never fail one another: 200 first requests with distinct keys, 40 at a time, each stored at once, in plain and in transaction mode', async () => {
     const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } })
     const table = `plain_${process.pid}`

@@ -168,6 +168,17 @@ for (const [index, server] of servers.entries()) {
       expect((await storage.inspect(held)).state).toBe('in-flight')
     })
 
+    it('stores the response inside a serializable transaction with statementTimeout 0 too (no lock_timeout set)', async () => {
+      await ready
+      const unbounded = new KnexStorage({ knex, tableName: table, statementTimeout: 0 })
+      const key = newKey('unbounded')
+      const lease = await unbounded.begin(key, 'fp', 60_000) as { token: string }
+      const transaction = await unbounded.transaction({ request: true, isolationLevel: 'serializable', lease: { key, token: lease.token, lockTimeout: 60_000 } })
+      expect(await transaction.complete(key, lease.token, { statusCode: 201, contentType: null, headers: {}, body: Buffer.from('kept') }, 60_000)).toBe(true)
+      await transaction.commit()
+      expect(await unbounded.inspect(key)).toMatchObject({ state: 'completed', response: { statusCode: 201 } })
+    })
+
     it('knows a conflict of a handler\'s transaction from any other failure', () => {
       const conflicts = server.name === 'PostgreSQL' ? [{ code: '40001' }, { code: '40P01' }] : [{ errno: 1213 }, { errno: 1205 }, { errno: 1020 }]
       for (const error of conflicts) expect(storage.isConflict(Object.assign(new Error('conflict'), error))).toBe(true)
@@ -186,6 +197,7 @@ describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
   const other = knexFactory({ client: 'better-sqlite3', connection: { filename: file }, useNullAsDefault: true, pool: noWait })
   const table = `trx_levels_${stamp}_sqlite`
   const orders = `${table}_orders`
+  const storage = new KnexStorage({ knex, tableName: table, createTable: true })
   const gates = new Map<string, Gate>()
   /** Called when a handler's write failed, before it throws. */
   const failed = new Map<string, () => Promise<void>>()
@@ -193,7 +205,7 @@ describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
   const ready = (async () => {
     await knex.schema.createTable(orders, (t) => { t.increments('id'); t.string('idem_key', 200) })
     const app = Fastify()
-    await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }) })
+    await app.register(idempotency, { storage })
     app.setErrorHandler(idempotencyErrorHandler())
     for (const [path, transaction] of [['/immediate', { isolationLevel: 'serializable' }], ['/deferred', true]] as const) {
       app.post(path, { config: { idempotency: { transaction } } }, async (request) => {
@@ -229,6 +241,16 @@ describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
     await expect(other(orders).insert({ idem_key: 'elsewhere' })).rejects.toMatchObject({ code: 'SQLITE_BUSY' })
     gate.open()
     expect((await answer).statusCode).toBe(200)
+  })
+
+  it('immediate: a transaction that cannot take the write lock at BEGIN fails to open (SQLITE_BUSY), and the connection serves the next one', async () => {
+    await ready
+    const holder = await other.transaction()
+    await holder(orders).insert({ idem_key: 'holding the write lock' })
+    await expect(storage.transaction({ isolationLevel: 'serializable' })).rejects.toMatchObject({ code: 'SQLITE_BUSY' })
+    await holder.commit()
+    const opened = await storage.transaction({ isolationLevel: 'serializable' })
+    await opened.rollback()
   })
 
   it('deferred: the write lock waits for the first write, which fails while another connection holds it: 503 with Retry-After, nothing kept, the retry commits', async () => {

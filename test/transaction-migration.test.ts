@@ -25,7 +25,8 @@ interface Server {
   name: string
   availability: Availability
   config: Knex.Config
-  levels: IsolationLevel[]
+  /** The levels the routes name; `default`: none, the session's. */
+  levels: Array<IsolationLevel | 'default'>
   /** Lock `table` as a migration would, on `migration`'s one connection; resolves with how to end it. */
   lock: (migration: Knex, table: string) => Promise<() => Promise<void>>
   /** Whether a statement on `table` waits for that lock. */
@@ -60,7 +61,7 @@ const servers: Server[] = [
     name: 'MariaDB with innodb_snapshot_isolation',
     availability: await service(MARIADB),
     config: { client: 'mysql2', connection: mysqlConnection, pool: snapshotIsolation },
-    levels: ['repeatable read'],
+    levels: ['repeatable read', 'default'],
     lock: async (migration, table) => {
       await migration.raw('LOCK TABLES ?? WRITE', [table])
       return async () => { await migration.raw('UNLOCK TABLES') }
@@ -83,7 +84,7 @@ for (const [index, server] of servers.entries()) {
       await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }), lockTimeout: LOCK_TIMEOUT })
       app.setErrorHandler(idempotencyErrorHandler())
       for (const level of server.levels) {
-        app.post(`/${level.replace(' ', '-')}`, { config: { idempotency: { transaction: { isolationLevel: level } } } }, async (request, reply) => {
+        app.post(`/${level.replace(' ', '-')}`, { config: { idempotency: { transaction: level === 'default' ? true : { isolationLevel: level } } } }, async (request, reply) => {
           const key = request.idempotency!.key
           runs.set(key, (runs.get(key) ?? 0) + 1)
           const trx = transactionOf(request)
@@ -106,7 +107,7 @@ for (const [index, server] of servers.entries()) {
     })
 
     for (const level of server.levels) {
-      it(`${level}: three requests wait for it, each runs once and commits`, async () => {
+      it(`${level === 'default' ? 'the session\'s level (repeatable read)' : level}: three requests wait for it, each runs once and commits`, async () => {
         const app = await ready
         const keys = [newKey('migrated'), newKey('migrated'), newKey('migrated')]
         const unlock = await server.lock(migration, orders)

@@ -27,6 +27,13 @@ export interface OpenedTransaction {
  */
 export async function openTransaction (dialect: Dialect, options: TransactionOptions, singleConnection: boolean): Promise<OpenedTransaction> {
   const trx = await dialect.beginTransaction(options.isolationLevel)
+  // knex hands out a transaction whose BEGIN failed (SQLite's IMMEDIATE on a busy database, say):
+  // only its own promise says so, rejected, and every statement on it would fail as "already
+  // complete". It is not handed on.
+  if (trx.isCompleted()) {
+    await trx.executionPromise.catch((error: unknown) => { throw trimmed(error) })
+    throw new Error('KnexStorage: the transaction ended as it began')
+  }
   const { lease } = options
   if (lease === undefined) return { trx }
   try {
