@@ -17,6 +17,7 @@ import knexFactory, { type Knex } from 'knex'
 import idempotency, { idempotencyErrorHandler, type IsolationLevel } from '../lib/index.js'
 import { KnexStorage, dropIdempotencyTable, transactionOf } from '../lib/knex.js'
 import { Gate } from './helpers/gate.js'
+import { dropApp } from './helpers/transaction-matrix.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { newKey } from './helpers/app.js'
 import { scaled } from './helpers/pace.js'
@@ -93,13 +94,7 @@ for (const [index, server] of servers.entries()) {
       await app.ready()
       return app
     })()
-    afterAll(async () => {
-      await (await ready).close()
-      await knex.schema.dropTableIfExists(counter)
-      await dropIdempotencyTable(knex, table)
-      await knex.destroy()
-      await other.destroy()
-    })
+    afterAll(async () => { await dropApp({ app: await ready, knex, tables: [counter], storeTable: table, others: [other] }) })
 
     for (const level of ['read committed', 'repeatable read', 'serializable'] as const) {
       it(`opens the transaction at ${level} before the handler's first statement, and the handler reads as that level does`, async () => {
@@ -223,21 +218,20 @@ describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
     }
     return app
   })()
-  afterAll(async () => {
-    await (await ready).close()
-    await knex.schema.dropTableIfExists(orders)
-    await dropIdempotencyTable(knex, table)
-    await knex.destroy()
-    await other.destroy()
-  })
+  afterAll(async () => { await dropApp({ app: await ready, knex, tables: [orders], storeTable: table, others: [other] }) })
   const send = async (path: string, key: string) => await (await ready).inject({ method: 'POST', url: path, headers: { 'idempotency-key': key }, payload: {} })
-
-  it('immediate: the transaction holds the write lock from its start, before the handler writes', async () => {
-    const key = newKey('immediate')
+  /** A request sent to `path`, once its handler is held at its gate (before it writes). */
+  const held = async (path: string) => {
+    const key = newKey(path.slice(1))
     const gate = new Gate()
     gates.set(key, gate)
-    const answer = send('/immediate', key)
+    const answer = send(path, key)
     await gate.entered
+    return { key, gate, answer }
+  }
+
+  it('immediate: the transaction holds the write lock from its start, before the handler writes', async () => {
+    const { gate, answer } = await held('/immediate')
     await expect(other(orders).insert({ idem_key: 'elsewhere' })).rejects.toMatchObject({ code: 'SQLITE_BUSY' })
     gate.open()
     expect((await answer).statusCode).toBe(200)
@@ -254,11 +248,7 @@ describe('SQLite: serializable begins IMMEDIATE, the others DEFERRED', () => {
   })
 
   it('deferred: the write lock waits for the first write, which fails while another connection holds it: 503 with Retry-After, nothing kept, the retry commits', async () => {
-    const key = newKey('deferred')
-    const gate = new Gate()
-    gates.set(key, gate)
-    const answer = send('/deferred', key)
-    await gate.entered
+    const { key, gate, answer } = await held('/deferred')
     // Nothing held yet: another connection writes.
     await other(orders).insert({ idem_key: 'elsewhere' })
     const holder = await other.transaction()

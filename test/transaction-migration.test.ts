@@ -11,10 +11,11 @@ import { afterAll, describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import knexFactory, { type Knex } from 'knex'
 import idempotency, { idempotencyErrorHandler, type IsolationLevel } from '../lib/index.js'
-import { KnexStorage, dropIdempotencyTable, transactionOf } from '../lib/knex.js'
+import { KnexStorage, transactionOf } from '../lib/knex.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { newKey } from './helpers/app.js'
 import { scaled } from './helpers/pace.js'
+import { dropApp } from './helpers/transaction-matrix.js'
 
 const LOCK_TIMEOUT = scaled(400)
 const stamp = `${process.pid}_${Date.now().toString(36)}`
@@ -97,14 +98,7 @@ for (const [index, server] of servers.entries()) {
       await app.ready()
       return app
     })()
-    afterAll(async () => {
-      await (await ready).close()
-      await knex.schema.dropTableIfExists(orders)
-      await dropIdempotencyTable(knex, table)
-      await knex.destroy()
-      await migration.destroy()
-      await observer.destroy()
-    })
+    afterAll(async () => { await dropApp({ app: await ready, knex, tables: [orders], storeTable: table, others: [migration, observer] }) })
 
     for (const level of server.levels) {
       it(`${level === 'default' ? 'the session\'s level (repeatable read)' : level}: three requests wait for it, each runs once and commits`, async () => {

@@ -67,7 +67,7 @@ export function transactionMatrix (target: MatrixTarget): void {
     const counter = `${table}_counter`
     const ledger = `${table}_ledger`
     let knex: Knex
-    let app: FastifyInstance
+    let app: FastifyInstance | undefined
     /** Runs of each handler, per key. */
     const runs = new Map<string, number>()
     const charges = new Map<string, number>()
@@ -128,14 +128,11 @@ export function transactionMatrix (target: MatrixTarget): void {
     })
 
     afterAll(async () => {
-      await app?.close()
-      for (const name of [orders, counter, ledger]) await knex?.schema.dropTableIfExists(name)
-      if (knex !== undefined) await dropIdempotencyTable(knex, table)
-      await knex?.destroy()
+      if (knex !== undefined) await dropApp({ app, knex, tables: [orders, counter, ledger], storeTable: table })
     })
 
     const send = async (url: string, key: string, body: object = {}): Promise<Answer> => {
-      const res = await app.inject({ method: 'POST', url, headers: { 'idempotency-key': key }, payload: body })
+      const res = await app!.inject({ method: 'POST', url, headers: { 'idempotency-key': key }, payload: body })
       return { key, status: res.statusCode, replayed: res.headers['idempotent-replayed'] === 'true', retryAfter: res.headers['retry-after'] as string | undefined, body: res.body }
     }
     const rowsOf = async (name: string, key: string): Promise<number> => Number((await knex(name).where({ idem_key: key }).count({ n: '*' }))[0]!.n)
@@ -241,6 +238,17 @@ export function transactionMatrix (target: MatrixTarget): void {
       for (const key of keys) expect(await rowsOf(ledger, key)).toBe(1)
     })
   })
+}
+
+/**
+ * What a test file's transaction-mode app leaves: the app closed, the tables its handlers wrote and
+ * the store's table dropped (on `knex`), then `knex` and the file's other knex instances destroyed.
+ */
+export async function dropApp ({ app, knex, tables, storeTable, others = [] }: { app: FastifyInstance | undefined, knex: Knex, tables: string[], storeTable: string, others?: Knex[] }): Promise<void> {
+  await app?.close()
+  for (const name of tables) await knex.schema.dropTableIfExists(name)
+  await dropIdempotencyTable(knex, storeTable)
+  for (const instance of [knex, ...others]) await instance.destroy()
 }
 
 /** Print the counts (with IDEMPOTENCY_MATRIX_REPORT=1), for docs/transactions.md. */
