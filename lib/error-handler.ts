@@ -1,5 +1,6 @@
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
 import { isIdempotencyError, type IdempotencyError } from './errors.js'
+import { transactionConflictOf } from './http/request-context.js'
 
 /** An error handler as `setErrorHandler` takes it. */
 export type ErrorHandler = (this: FastifyInstance, error: FastifyError, request: FastifyRequest, reply: FastifyReply) => unknown
@@ -49,16 +50,18 @@ export function toProblem (error: IdempotencyError): IdempotencyProblem {
 export function idempotencyErrorHandler (options: IdempotencyErrorHandlerOptions = {}): ErrorHandler {
   const { fallback } = options
   return function handleIdempotencyError (this: FastifyInstance, error: FastifyError, request: FastifyRequest, reply: FastifyReply) {
-    if (isIdempotencyError(error)) {
+    // A handler whose transaction conflicted with another (transaction mode) is answered as a failed commit.
+    const problem = isIdempotencyError(error) ? error : transactionConflictOf(request)
+    if (problem !== null) {
       // Bytes, with their media type: Fastify sends them as they are. An object would go through
       // the route's response schema for the status (a `409`, `4xx` or `default` of the route's own,
       // which would strip the problem's members), its serializer compiler or its type provider's
       // (zod's, which would fail on it): the plugin's answers are its own, whatever the route.
       return reply
-        .code(error.statusCode)
-        .headers(error.headers)
+        .code(problem.statusCode)
+        .headers(problem.headers)
         .type(PROBLEM_CONTENT_TYPE)
-        .send(Buffer.from(JSON.stringify(toProblem(error))))
+        .send(Buffer.from(JSON.stringify(toProblem(problem))))
     }
     if (fallback !== undefined) return fallback.call(this, error, request, reply)
     // Sending the error from inside an error handler hands it to the parent handler, and at the

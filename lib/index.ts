@@ -76,7 +76,7 @@ const plugin: FastifyPluginAsync<IdempotencyOptions> = async (fastify, options) 
 export const idempotency = fp(plugin, { fastify: '5.x || 6.x', name: 'fastify-idempotency' })
 export default idempotency
 
-export type { IdempotencyOptions, IdempotencyRouteOptions } from './options.js'
+export type { IdempotencyOptions, IdempotencyRouteOptions, IdempotencyTransactionOptions } from './options.js'
 export { DEFAULT_CACHEABLE_STATUS_CODES, optionsSchema, routeConfigSchema } from './options.js'
 export type { FingerprintOptions } from './fingerprint/fingerprint.js'
 export type { IdempotencyRequestContext } from './http/hooks.js'
@@ -151,6 +151,7 @@ export type {
   BeginResult,
   HeldLease,
   IdempotencyStorage,
+  IsolationLevel,
   LeaseListing,
   StorageTransaction,
   StoredCompleted,
@@ -164,5 +165,6 @@ export type {
   StoreCheck,
   StoreProofOptions,
   TransactionalStorage,
+  TransactionLease,
   TransactionOptions
 } from './storage/types.js'

@@ -242,7 +242,7 @@ describe('acquire', () => {
 
   it('transaction mode: a transaction that cannot be opened gives the lease back and refuses with 503', async () => {
     const { storage, inner } = transactional({ open: async () => { throw new Error('pool exhausted') } })
-    const engine = engineOver(storage, { transaction: true })
+    const engine = engineOver(storage, { transaction: {} })
     const { state, lines } = request()
     const acquisition = await ask(engine, state)
     expect(acquisition.outcome).toBe('refuse')
@@ -347,7 +347,7 @@ describe('settle', () => {
 
   it('transaction mode: commits the handler\'s writes with the response', async () => {
     const { storage, log } = transactional()
-    const engine = engineOver(storage, { transaction: true })
+    const engine = engineOver(storage, { transaction: {} })
     const { state } = request()
     await ask(engine, state)
     expect(state.transaction?.handle).toEqual({ writes: log })
@@ -359,7 +359,7 @@ describe('settle', () => {
 
   it('transaction mode: a success rolled back must not be delivered; an error rolled back may', async () => {
     const { storage, log } = transactional({ complete: false })
-    const engine = engineOver(storage, { transaction: true })
+    const engine = engineOver(storage, { transaction: {} })
     const lost = request()
     await ask(engine, lost.state)
     expect(await end(engine, lost.state, { kind: 'store', statusCode: 201, response: answer('{}') })).toEqual({ stored: false, reason: 'lease-lost', deliverable: false })

@@ -124,6 +124,23 @@ describe('a route option is normalized as the same option of the plugin', () => 
 })
 
 describe('a route\'s options over the plugin\'s', () => {
+  it('keeps the plugin\'s isolation level for a route that turns transaction mode on, and a route\'s own level over it', () => {
+    const plugin = normalize({ transaction: { isolationLevel: 'serializable' } })
+    expect(plugin.defaults.transaction).toEqual({ isolationLevel: 'serializable' })
+    expect(routeSettings(plugin, { transaction: true }, 'POST /pay')!.transaction).toEqual({ isolationLevel: 'serializable' })
+    expect(routeSettings(plugin, { transaction: { isolationLevel: 'read committed' } }, 'POST /pay')!.transaction).toEqual({ isolationLevel: 'read committed' })
+    expect(routeSettings(plugin, { transaction: {} }, 'POST /pay')!.transaction).toEqual({ isolationLevel: 'serializable' })
+    expect(routeSettings(plugin, { transaction: false }, 'POST /pay')!.transaction).toBeNull()
+    expect(normalize({ transaction: true }).defaults.transaction).toEqual({})
+    expect(routeSettings(normalize({}), { transaction: { isolationLevel: 'repeatable read' } }, 'POST /pay')!.transaction).toEqual({ isolationLevel: 'repeatable read' })
+  })
+
+  it('refuses an isolation level it does not set, and one without a transactional store', () => {
+    expect(() => normalize({ transaction: { isolationLevel: 'snapshot' as 'serializable' } })).toThrow(/transaction\.isolationLevel must be equal to one of the allowed values/)
+    expect(() => normalize({ transaction: { readOnly: true } as object })).toThrow(/transaction has an unknown property 'readOnly'/)
+    expect(() => normalize({ storage: new MemoryStorage(), transaction: { isolationLevel: 'serializable' } })).toThrow(/transaction mode needs a storage that supports transactions/)
+  })
+
   it('merges fingerprint options, and adds and removes status codes after the plugin did', () => {
     const plugin = normalize({ fingerprint: { query: true, headers: ['x-a'] }, addCacheableStatusCodes: [500], removeCacheableStatusCodes: [202] })
     const route = routeSettings(plugin, { fingerprint: { method: true, headers: ['x-b'] }, addCacheableStatusCodes: [202], removeCacheableStatusCodes: [500] }, 'POST /pay')!

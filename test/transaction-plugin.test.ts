@@ -139,3 +139,57 @@ describe('transaction mode (plugin side)', () => {
     await expect(app.register(idempotency, { transaction: true })).rejects.toThrow(/transaction mode needs a storage that supports transactions \(KnexStorage\), not MemoryStorage/)
   })
 })
+
+describe('a handler whose transaction conflicted with another', () => {
+  /** What the store says a conflict is: here, an error with this code, as a driver's. */
+  const conflict = (): Error => Object.assign(new Error('could not serialize access due to concurrent update'), { code: 'conflict' })
+
+  async function conflicting (errorHandler: 'problem' | 'fastify' | 'own') {
+    const { storage, log } = recording(() => 'none')
+    storage.isConflict = (error) => (error as { code?: unknown }).code === 'conflict'
+    const app = Fastify()
+    await app.register(idempotency, { storage, transaction: true })
+    if (errorHandler === 'problem') app.setErrorHandler(idempotencyErrorHandler())
+    if (errorHandler === 'own') app.setErrorHandler((error: Error, _request, reply) => reply.send({ mine: error.message }))
+    let runs = 0
+    app.post('/transfers', { config: { idempotency: true } }, async (request) => {
+      runs++
+      const { fail } = request.body as { fail?: 'conflict' | 'wrapped' | 'other' }
+      if (fail === 'conflict') throw conflict()
+      if (fail === 'wrapped') throw new Error('the transfer failed', { cause: conflict() })
+      if (fail === 'other') throw new Error('the handler failed')
+      return { ok: true }
+    })
+    const send = (key: string, fail?: string) => app.inject({ method: 'POST', url: '/transfers', headers: { 'idempotency-key': key }, payload: { fail } })
+    return { send, log, runs: () => runs }
+  }
+
+  it('is answered 503 #store-unavailable with Retry-After by idempotencyErrorHandler, rolled back, and its key free', async () => {
+    const { send, log, runs } = await conflicting('problem')
+    const key = newKey('conflict')
+    const refused = await send(key, 'conflict')
+    expect(refused.statusCode).toBe(503)
+    expect(refused.headers['content-type']).toMatch(/^application\/problem\+json/)
+    expect(refused.json()).toMatchObject({ type: expect.stringMatching(/#store-unavailable$/), status: 503, idempotencyKey: key })
+    expect(refused.headers['retry-after']).toBe('1')
+    expect(log).toContain('rollback')
+    expect((await send(key)).statusCode).toBe(200)
+    expect(runs()).toBe(2)
+  })
+
+  it('is told apart through a cause, and any other failure of the handler stays its own (500)', async () => {
+    const { send } = await conflicting('problem')
+    expect((await send(newKey('conflict'), 'wrapped')).statusCode).toBe(503)
+    const other = await send(newKey('conflict'), 'other')
+    expect(other.statusCode).toBe(500)
+    expect(other.headers['retry-after']).toBeUndefined()
+  })
+
+  it('keeps the 503 and its Retry-After with Fastify\'s own error handler, and with one of the app\'s that sets no status', async () => {
+    for (const handler of ['fastify', 'own'] as const) {
+      const { send } = await conflicting(handler)
+      const refused = await send(newKey('conflict'), 'conflict')
+      expect({ handler, status: refused.statusCode, retryAfter: refused.headers['retry-after'] }).toEqual({ handler, status: 503, retryAfter: '1' })
+    }
+  })
+})

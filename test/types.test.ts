@@ -62,7 +62,12 @@ import idempotency, {
   type StoreCheck,
   type StoreProofOptions,
   type TransformInput,
-  type TransformResult
+  type TransformResult,
+  type IdempotencyTransactionOptions,
+  type IsolationLevel,
+  type StorageTransaction,
+  type TransactionalStorage,
+  type TransactionOptions
 } from '../lib/index.js'
 import { KnexStorage, transactionOf } from '../lib/knex.js'
 import { RedisStorage, type RedisStorageOptions } from '../lib/redis.js'
@@ -206,6 +211,31 @@ describe('public types', () => {
       expectTypeOf(transactionOf(request)).toEqualTypeOf<Knex.Transaction>()
       return { key: request.idempotency?.key }
     })
+  })
+
+  it('types transaction mode\'s isolation level: plugin, route and run', async () => {
+    expectTypeOf<IsolationLevel>().toEqualTypeOf<'read committed' | 'repeatable read' | 'serializable'>()
+    expectTypeOf<IdempotencyTransactionOptions>().toEqualTypeOf<{ isolationLevel?: IsolationLevel }>()
+    expectTypeOf<IdempotencyOptions['transaction']>().toEqualTypeOf<boolean | IdempotencyTransactionOptions | undefined>()
+    const app = Fastify()
+    app.post('/a', { config: { idempotency: { transaction: { isolationLevel: 'serializable' } } } }, async () => ({}))
+    app.post('/b', { config: { idempotency: { transaction: {} } } }, async () => ({}))
+    // Through the type, as above: Fastify's route overloads make no excess-property check.
+    // @ts-expect-error 'snapshot' is not a level the plugin sets
+    const snapshot: RouteShorthandOptions = { config: { idempotency: { transaction: { isolationLevel: 'snapshot' } } } }
+    // @ts-expect-error readOnly is not an option of transaction mode
+    const readOnly: RouteShorthandOptions = { config: { idempotency: { transaction: { readOnly: true } } } }
+    expectTypeOf(snapshot).toEqualTypeOf(readOnly)
+    const jobs = createIdempotency()
+    const run = async () => await jobs.run('k', null, () => 1, { transaction: { isolationLevel: 'repeatable read' } })
+    expectTypeOf(run).returns.resolves.toEqualTypeOf<number>()
+    await jobs.close()
+  })
+
+  it('types the storage contract of transaction mode', () => {
+    expectTypeOf<TransactionOptions>().toEqualTypeOf<{ request?: boolean, isolationLevel?: IsolationLevel, lease?: { key: string, token: string, lockTimeout: number } }>()
+    expectTypeOf<StorageTransaction['renew']>().toEqualTypeOf<((key: string, token: string, lockTimeout: number) => Promise<boolean>) | undefined>()
+    expectTypeOf<TransactionalStorage['isConflict']>().toEqualTypeOf<((error: unknown) => boolean) | undefined>()
   })
 
   it('lets a custom class implement the storage contract', () => {

@@ -14,6 +14,7 @@ import {
 import type { BeginInFlight, StoredResponse } from '../storage/types.js'
 import { UnreadableEntryError } from '../storage/unreadable-entry.js'
 import { fingerprintRefusal, type FingerprintComparison } from './fingerprint-check.js'
+import { checkConnectionFree } from './held-connection.js'
 import type { RequestState } from './request-state.js'
 import { isPromise, type MaybePromise } from './maybe-promise.js'
 import type { RouteEngine } from './route-engine.js'
@@ -44,6 +45,7 @@ const UNPROTECTED: Acquisition = { outcome: 'unprotected' }
  * closing, a request that has not reached the store yet is refused instead.
  */
 export function acquire (engine: RouteEngine, state: RequestState, storageKey: string, fingerprint: string, fingerprinted: FingerprintComparison | null = null): MaybePromise<Acquisition> {
+  checkConnectionFree(engine, state.key)
   state.startAcquiring(storageKey, fingerprint, fingerprinted)
   if (!engine.inFlight.enter(state, engine.reporter)) return advance(state, { outcome: 'refuse', error: new IdempotencyServerClosingError(state.key) })
   return inFlightStep(engine, state, undefined, ask, answered)
@@ -247,9 +249,9 @@ async function waitForLease ({ door, settings }: RouteEngine, storageKey: string
  * is open, the refusal when it could not be opened (the lease, `token`, is given back: the handler
  * never runs under it).
  */
-async function openTransaction ({ door, reporter }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
+async function openTransaction ({ door, reporter, settings }: RouteEngine, state: RequestState, token: string): Promise<Acquisition | null> {
   try {
-    state.transaction = await door.openTransaction({ request: true })
+    state.transaction = await door.openTransaction({ ...settings.transaction, request: true, lease: { key: state.storageKey, token, lockTimeout: settings.lockTimeout } })
     return null
   } catch (error) {
     reporter.report(state, 'store-error', { phase: 'begin', failOpen: false, error }, 'error', 'idempotency transaction could not be opened: answering 503')

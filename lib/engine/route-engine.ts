@@ -42,11 +42,16 @@ export function stopRouteEngine (engine: RouteEngine): void {
   engine.door.stop()
 }
 
-/** One renewal: the store extends the lease, or says it was lost. */
+/**
+ * One renewal: the store extends the lease, or says it was lost. Through the request's transaction
+ * when that transaction holds the lease (StorageTransaction.renew).
+ */
 function renewLease (door: StoreDoor, reporter: Reporter, state: RequestState): void {
+  const { transaction } = state
   // The door calls through a promise, so a custom store that throws instead of rejecting cannot
   // throw out of the shared timer (which would end the process).
-  door.renew(state.storageKey, state.token).then((held) => {
+  const renewed = transaction?.renew === undefined ? door.renew(state.storageKey, state.token) : door.renewIn(transaction, state.storageKey, state.token)
+  renewed.then((held) => {
     if (held || state.phase !== 'running') return
     reporter.report(state, 'lease-lost', { phase: 'renew' }, 'warn', 'idempotency lease lost while the handler was running')
   }, (error: unknown) => {

@@ -202,9 +202,10 @@ function downstreamKey (storageKey: string, name: string): string {
 }
 
 /** Transaction mode: the step's own transaction; refused like the request's when it cannot be opened. */
-async function openTransaction ({ door }: RouteEngine, state: RequestState): Promise<StorageTransaction> {
+async function openTransaction ({ door, settings }: RouteEngine, state: RequestState): Promise<StorageTransaction> {
   try {
-    return await door.openTransaction()
+    // At the route's level: the step's writes are the route's.
+    return await door.openTransaction({ ...settings.transaction })
   } catch (error) {
     throw new IdempotencyStoreUnavailableError(state.key, error)
   }

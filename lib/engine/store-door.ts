@@ -53,6 +53,8 @@ export interface DoorSettings {
 }
 
 const noop = (): void => {}
+/** How deep `isConflict` looks into an error's causes. */
+const MAX_CAUSES = 5
 
 /** The store's steps answered at once, when it has them and its own methods are the ones they stand for. */
 function synchronousSteps (storage: IdempotencyStorage): SynchronousSteps | null {
@@ -181,6 +183,25 @@ export class StoreDoor {
   /** Open a transaction (transaction mode); one opened for a call given up on is rolled back. */
   openTransaction (options?: TransactionOptions): Promise<StorageTransaction> {
     return this.#deadline.run('transaction', () => (this.storage as TransactionalStorage).transaction(options), (late) => { late.rollback().catch(noop) })
+  }
+
+  /** Renew the lease `token` holds through `transaction`, which holds it (StorageTransaction.renew): `false` when it was lost. */
+  renewIn (transaction: StorageTransaction, key: string, token: string): Promise<boolean> {
+    return this.#deadline.run('renew', () => transaction.renew!(key, token, this.#settings.lockTimeout))
+  }
+
+  /**
+   * Whether `error`, thrown in one of the store's transactions, says it conflicted with another
+   * (TransactionalStorage.isConflict): the error itself, or one of its causes, as a handler that
+   * wraps the driver's error passes it on.
+   */
+  isConflict (error: unknown): boolean {
+    const { isConflict } = this.storage as Partial<TransactionalStorage>
+    if (isConflict === undefined) return false
+    for (let cause = error, depth = 0; cause !== null && typeof cause === 'object' && depth < MAX_CAUSES; cause = (cause as { cause?: unknown }).cause, depth++) {
+      if (isConflict.call(this.storage, cause)) return true
+    }
+    return false
   }
 
   /** Store `response` inside `transaction`, under the lease `token` holds: `false` when it was lost. */

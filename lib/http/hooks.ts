@@ -16,11 +16,12 @@
  */
 import type { FastifyError, FastifyReply, FastifyRequest, onErrorHookHandler, onRequestHookHandler, onSendHookHandler, preHandlerHookHandler, preValidationHookHandler } from 'fastify'
 import { acquire, type Acquisition } from '../engine/acquire.js'
+import { holdingConnection } from '../engine/held-connection.js'
 import { isPromise, type MaybePromise } from '../engine/maybe-promise.js'
 import type { InFlight } from '../engine/in-flight.js'
 import { createRouteEngine, stopRouteEngine } from '../engine/route-engine.js'
 import { checkKey, storageKey } from '../engine/storage-key.js'
-import { IdempotencyKeyMissingError, isIdempotencyError } from '../errors.js'
+import { IdempotencyKeyMissingError, IdempotencyStoreUnavailableError, isIdempotencyError } from '../errors.js'
 import type { PluginSettings, RouteSettings } from '../options.js'
 import { readIdempotencyKey } from './key.js'
 import { RawBodyHash } from './raw-body.js'
@@ -200,7 +201,8 @@ function respond (route: GuardedRoute, request: FastifyRequest, reply: FastifyRe
   switch (acquisition.outcome) {
     case 'run':
       run(reply, http)
-      done()
+      // The handler runs inside this call (Fastify calls it from `done`), knowing the connection its transaction holds.
+      holdingConnection(route.engine, http.state, done)
       return
     case 'replay': {
       // The reply is sent, and `done` is not called: Fastify then does not go on to the handler.
@@ -331,6 +333,21 @@ function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyEr
   // before any error handler runs, so that whichever answers (NestJS's, an app's own mapper) sends them.
   if (isIdempotencyError(error)) reply.headers(error.headers)
   const http = (request as GuardedRequest)[kState]
-  if (http !== null) http.failed = true
+  if (http !== null) {
+    http.failed = true
+    if (http.state.transaction !== null && http.route.engine.door.isConflict(error)) transactionConflict(request, reply, http, error)
+  }
   done()
+}
+
+/**
+ * The handler failed because its transaction conflicted with another: nothing is kept (its writes
+ * are rolled back), and a retry may well succeed. It is answered as a failed commit is, 503 with
+ * Retry-After: the status and headers go on the reply for any error handler (Fastify's own keeps
+ * them), and idempotencyErrorHandler answers it as #store-unavailable.
+ */
+function transactionConflict (request: FastifyRequest, reply: FastifyReply, http: HttpRequestState, error: Error): void {
+  const conflict = http.conflict = new IdempotencyStoreUnavailableError(http.key, error)
+  reply.code(conflict.statusCode).headers(conflict.headers)
+  request.log.warn({ err: error, idempotencyKey: http.key }, 'idempotency transaction conflicted with another: rolled back, answered 503 with Retry-After')
 }

@@ -10,6 +10,7 @@ import type { ResponseCallbacks } from '../engine/route-callbacks.js'
 import type { RouteEngine } from '../engine/route-engine.js'
 import { runStep, type StepFunction } from '../engine/steps.js'
 import type { ValueCodec } from '../engine/value-codec.js'
+import type { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { ArrivedBody } from '../fingerprint/fingerprint.js'
 import type { PluginSettings, RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
@@ -95,6 +96,11 @@ export class HttpRequestState implements ResponseCallbacks {
   failed = false
   /** Resolves once the response has been handed on to Fastify after settling (onSend). */
   handedOn: Promise<void> | null = null
+  /**
+   * Transaction mode: the handler failed because its transaction conflicted with another (a
+   * serialization failure, a deadlock): answered as a failed commit is, 503 with Retry-After.
+   */
+  conflict: IdempotencyStoreUnavailableError | null = null
 
   constructor (route: GuardedRoute, request: FastifyRequest, key: string) {
     this.route = route
@@ -120,3 +126,8 @@ export class HttpRequestState implements ResponseCallbacks {
 }
 
 export type GuardedRequest = FastifyRequest & { [kState]: HttpRequestState | null, idempotency: IdempotencyRequestContext | null }
+
+/** The 503 a request's transaction conflict is answered with (`HttpRequestState.conflict`), or `null`. */
+export function transactionConflictOf (request: FastifyRequest): IdempotencyStoreUnavailableError | null {
+  return (request as Partial<GuardedRequest>)[kState]?.conflict ?? null
+}

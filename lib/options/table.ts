@@ -10,6 +10,7 @@ import { ALWAYS_EXCLUDED_HEADERS } from '../http/excluded-headers.js'
 import { checkFunction, checkStorage, checkTransaction, toMilliseconds } from './checks.js'
 import { fieldsOf, propertiesOf, type FieldContext, type SettingsOf } from './field.js'
 import { anything, boolean, duration, fingerprintSchema, invalid, statusCodes, token, tokens } from './schema.js'
+import type { IsolationLevel } from '../storage/types.js'
 import type { IdempotencyOptions, IdempotencyRouteOptions } from './types.js'
 
 /**
@@ -59,6 +60,27 @@ function waitTimeoutOf (options: Pick<IdempotencyRouteOptions, 'wait' | 'waitTim
     throw invalid(context.name, 'waitTimeout is set but wait is not true')
   }
   return wait ? toMilliseconds(options.waitTimeout ?? DEFAULT_WAIT_TIMEOUT, 'waitTimeout', context.name) : 0
+}
+
+const ISOLATION_LEVELS: readonly IsolationLevel[] = ['read committed', 'repeatable read', 'serializable']
+
+/** Transaction mode as its transaction is opened. */
+export interface TransactionSettings {
+  /** The level it is opened at; the database's default when absent. */
+  readonly isolationLevel?: IsolationLevel
+}
+
+/**
+ * Transaction mode, or `null`. A layer's `true` keeps the level an outer layer named: a route that
+ * turns it on inherits the plugin's `isolationLevel`.
+ */
+function transactionOf (options: Pick<IdempotencyRouteOptions, 'transaction'>, context: FieldContext<Pick<IdempotencyRouteOptions, 'transaction'>>): TransactionSettings | null {
+  if (!checkTransaction(options.transaction !== undefined && options.transaction !== false, context.storage, context.name)) return null
+  let isolationLevel: IsolationLevel | undefined
+  for (const { transaction } of context.layers) {
+    if (typeof transaction === 'object' && transaction.isolationLevel !== undefined) isolationLevel = transaction.isolationLevel
+  }
+  return isolationLevel === undefined ? {} : { isolationLevel }
 }
 
 function replayHeaderOf (options: Pick<IdempotencyOptions, 'replayHeader'>): string | null {
@@ -113,10 +135,10 @@ export const routeFields = {
   failOpen: routeField({ options: { failOpen: boolean }, normalize: (options) => options.failOpen ?? false }),
   /** Milliseconds a duplicate of an in-flight request waits; 0 answers 409 at once. */
   waitTimeout: routeField({ options: { wait: boolean, waitTimeout: duration }, normalize: waitTimeoutOf }),
-  /** Open a StorageTransaction for the handler (transaction mode). */
+  /** Open a StorageTransaction for the handler (transaction mode), at its isolation level; `null`: not in transaction mode. */
   transaction: routeField({
-    options: { transaction: boolean },
-    normalize: (options, context) => checkTransaction(options.transaction ?? false, context.storage, context.name)
+    options: { transaction: { anyOf: [boolean, { type: 'object', additionalProperties: false, properties: { isolationLevel: { enum: ISOLATION_LEVELS } } }] } },
+    normalize: transactionOf
   }),
   /** Where the route's key comes from instead of the header; `null`: the header. */
   key: routeField({

@@ -6,7 +6,19 @@ import type { FastifyRequest } from 'fastify'
 import type { EncryptionOptions } from '../encryption.js'
 import type { FingerprintOptions } from '../fingerprint/fingerprint.js'
 import type { Scope } from '../http/scope.js'
-import type { IdempotencyStorage, StoredResponse } from '../storage/types.js'
+import type { IdempotencyStorage, IsolationLevel, StoredResponse } from '../storage/types.js'
+
+/** Transaction mode, with the isolation level its transaction is opened at (`transaction: { isolationLevel }`). */
+export interface IdempotencyTransactionOptions {
+  /**
+   * The level the plugin opens the transaction at, before the handler's first statement (the
+   * database's default when absent; a route's `transaction: true` keeps the plugin's level).
+   * PostgreSQL and MySQL/MariaDB run it at this level; SQLite, whose transactions are all
+   * serializable, begins IMMEDIATE for `'serializable'` (the write lock taken at once) and
+   * DEFERRED for the others. What each level buys on each store: docs/transactions.md.
+   */
+  isolationLevel?: IsolationLevel
+}
 
 /** What a route may set in `config.idempotency` (and what the plugin options set for every route). */
 export interface IdempotencyRouteOptions {
@@ -58,9 +70,10 @@ export interface IdempotencyRouteOptions {
   /**
    * Run the handler's writes and the stored response in one database transaction, handed to the
    * handler as `request.idempotency.transaction` (default `false`). Needs a storage that supports
-   * it (KnexStorage).
+   * it (KnexStorage). `true` opens it at the database's default isolation level; an object sets
+   * the level (see IdempotencyTransactionOptions and docs/transactions.md).
    */
-  transaction?: boolean
+  transaction?: boolean | IdempotencyTransactionOptions
   /** Namespace keys by caller (the signed-in user's id, say; `undefined`: none), so one never receives another's response. */
   scope?: Scope
   /**

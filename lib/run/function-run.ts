@@ -13,6 +13,7 @@
  *                             fn threw:    the key given back (`give-back`), the error rethrown
  */
 import { acquire } from '../engine/acquire.js'
+import { holdingConnection } from '../engine/held-connection.js'
 import { RequestState } from '../engine/request-state.js'
 import type { Logger } from '../engine/report.js'
 import type { RouteEngine } from '../engine/route-engine.js'
@@ -98,7 +99,7 @@ function contextOf (engine: RouteEngine, state: RequestState): RunContext {
 async function runHolding<T> (engine: RouteEngine, state: RequestState, fn: RunFunction<T>, codec?: ValueCodec<T>): Promise<T> {
   let value: T
   try {
-    value = await attempt(engine, state, fn)
+    value = await holdingConnection(engine, state, async () => await attempt(engine, state, fn))
   } catch (error) {
     state.startSettling()
     // Nothing is kept: the next call runs fn again (its recovery points keep what they did).

@@ -294,6 +294,29 @@ export interface StorageTransaction {
   commit (): Promise<void>
   /** Roll back the handler's writes; nothing is stored. */
   rollback (): Promise<void>
+  /**
+   * Present when the lease of the request this transaction was opened for (`TransactionOptions.lease`)
+   * is renewed through the transaction itself rather than by the store's `renew`: when the
+   * transaction could not store its response over a renewal committed beside it (PostgreSQL's
+   * REPEATABLE READ and SERIALIZABLE), or when no other connection is free while it is open
+   * (SQLite, a pool of one). Extend the lease `token` holds by `lockTimeout` from now: `false`
+   * when it was lost.
+   */
+  renew?: (key: string, token: string, lockTimeout: number) => Promise<boolean>
+}
+
+/**
+ * The SQL isolation levels transaction mode can open its transaction at (`transaction: {
+ * isolationLevel }`). SQLite's transactions are all serializable; there, `'serializable'` begins
+ * them IMMEDIATE (the write lock taken at once) and the others DEFERRED. See docs/transactions.md.
+ */
+export type IsolationLevel = 'read committed' | 'repeatable read' | 'serializable'
+
+/** The lease a request's transaction is opened under: the key, the token that holds it, its length. */
+export interface TransactionLease {
+  key: string
+  token: string
+  lockTimeout: number
 }
 
 /** What a transaction is opened for. */
@@ -306,6 +329,14 @@ export interface TransactionOptions {
    * Transactions opened without it (a recovery point's) never wait behind these.
    */
   request?: boolean
+  /** The isolation level to open it at; the database's default (the session's) when absent. */
+  isolationLevel?: IsolationLevel
+  /**
+   * The request's lease, held while the transaction is open. A store whose transaction must hold
+   * the lease itself (see `StorageTransaction.renew`) renews it as soon as the transaction opens,
+   * and fails to open when it is lost.
+   */
+  lease?: TransactionLease
 }
 
 /** A provider that can open a StorageTransaction (KnexStorage). */
@@ -318,6 +349,13 @@ export interface TransactionalStorage extends IdempotencyStorage {
    * transaction of their own while the request's is open, are refused in transaction mode.
    */
   readonly singleConnection?: boolean
+  /**
+   * Whether `error`, thrown by a statement of one of its transactions (a handler's), says that
+   * transaction conflicted with another and may succeed when run again: a serialization failure,
+   * a deadlock, a busy database. The plugin then answers 503 with Retry-After, as for a failed
+   * commit.
+   */
+  isConflict?: (error: unknown) => boolean
 }
 
 /** What a store's start-up proof (`IdempotencyStorage.prove`) is told. */

@@ -4,8 +4,8 @@
  * back and purging. Each dialect extends this with the statements that differ.
  */
 import type { Knex } from 'knex'
-import type { BeginResult } from '../types.js'
-import type { Bound, Clock, Completion, Dialect, HeldLease, LeaseRenewal, LeaseRequest, PurgedBatch } from './dialect.js'
+import type { BeginResult, IsolationLevel } from '../types.js'
+import type { Bound, Clock, Completion, Dialect, HeldLease, LeaseHolding, LeaseRenewal, LeaseRequest, PurgedBatch } from './dialect.js'
 import { READ_COLUMNS, toResult, type Row } from './rows.js'
 import type { SqlDialect } from './schema.js'
 
@@ -46,6 +46,13 @@ export abstract class BaseDialect implements Dialect {
   abstract giveBack (lease: HeldLease): Promise<number>
   abstract purgeBatch (batchSize: number): Promise<PurgedBatch>
   abstract isDeadlock (error: unknown): boolean
+  abstract isConflict (error: unknown): boolean
+  abstract leaseHolding (trx: Knex.Transaction, level: IsolationLevel | undefined): Promise<LeaseHolding>
+
+  /** knex's transaction at `level`: `BEGIN ISOLATION LEVEL` on PostgreSQL, `SET TRANSACTION` before `BEGIN` on MySQL. */
+  async beginTransaction (level: IsolationLevel | undefined): Promise<Knex.Transaction> {
+    return await this.knex.transaction(level === undefined ? undefined : { isolationLevel: level })
+  }
 
   /** Nothing to learn of the server, unless a dialect says otherwise. */
   async probeServer (): Promise<void> {}
@@ -57,8 +64,8 @@ export abstract class BaseDialect implements Dialect {
   }
 
   /** The lease end is also when the row stops mattering. */
-  async renewLease ({ lease, ...held }: LeaseRenewal): Promise<number> {
-    return Number(await this.bound(this.heldLease(this.knex, held).update({ lease_end: this.fromNow(lease), expires_at: this.fromNow(lease) })))
+  async renewLease ({ lease, ...held }: LeaseRenewal, db: Knex | Knex.Transaction = this.knex): Promise<number> {
+    return Number(await this.bound(this.heldLease(db, held).update({ lease_end: this.fromNow(lease, db), expires_at: this.fromNow(lease, db) })))
   }
 
   /** `storeResponse` as a plain fenced UPDATE built by knex. */
@@ -96,9 +103,19 @@ export abstract class BaseDialect implements Dialect {
     return { chosen: deleted, deleted }
   }
 
-  /** The fenced row of a held lease. */
+  /**
+   * The fenced row of a held lease: its token, and a lease that has not lapsed. Inside a
+   * transaction (transaction mode: a request's, or a recovery point's), the token alone. A lease is
+   * taken over only by writing a new token, and given back only by deleting the row, so a row that
+   * still holds the token is still the lease's, lapsed or not. And where the transaction holds the
+   * lease, its renewals go through its own connection, which a statement of the handler may keep
+   * busy for longer than `lockTimeout` (waiting for a lock a migration holds, say): the lease then
+   * lapses in the transaction's view while the transaction, holding the row's lock, keeps every
+   * other writer out.
+   */
   private heldLease (db: Knex | Knex.Transaction, { id, token }: HeldLease): Knex.QueryBuilder {
-    return db(this.table).where({ idempotency_key: id, token, state: 'in_flight' }).andWhereRaw(`lease_end > ${this.clock.now}`, this.clock.values())
+    const row = db(this.table).where({ idempotency_key: id, token, state: 'in_flight' })
+    return db.isTransaction === true ? row : row.andWhereRaw(`lease_end > ${this.clock.now}`, this.clock.values())
   }
 
   /** `ms` from now, as a value to write. */

@@ -6,7 +6,7 @@
  * they write the same way.
  */
 import type { Knex } from 'knex'
-import type { BeginResult } from '../types.js'
+import type { BeginResult, IsolationLevel } from '../types.js'
 import type { SqlDialect } from './schema.js'
 
 /**
@@ -99,6 +99,28 @@ export interface PurgedBatch {
   deleted: number
 }
 
+/**
+ * Where the lease of a request is kept while its transaction is open:
+ * - `outside`: renewed by the store's `renew`, on another connection, committed at once, so that
+ *   every process sees it; the transaction touches the key's row only to store the response.
+ * - `locked`: held by the transaction, which writes the key's row as soon as it opens, and so locks
+ *   it until it ends. A transaction whose snapshot is older than a change to a row cannot change
+ *   that row (PostgreSQL's REPEATABLE READ and SERIALIZABLE, MariaDB with
+ *   innodb_snapshot_isolation), so a renewal committed beside it would make storing the response
+ *   fail; and a pool of one has no other connection to renew on. The row lock keeps every other
+ *   writer of the row out (a waiter's mark, a purge, a takeover) until the transaction ends, as the
+ *   lease would; a process that dies ends its transaction, and the row lock with it.
+ * - `inside`: held by the transaction from the lease's first renewal on, which writes the key's row
+ *   through it (SQLite: the transaction then holds the database's one write lock, which a DEFERRED
+ *   transaction takes no earlier; nothing else can renew meanwhile, on its one connection).
+ */
+export type LeaseHolding = 'outside' | 'inside' | 'locked'
+
+/** Whether a transaction at `level` (as the server names it: `read committed`, `REPEATABLE-READ`) reads what others committed after it began. */
+export function readsCommitted (level: string): boolean {
+  return /^read[ -](committed|uncommitted)$/i.test(level.trim())
+}
+
 export interface Dialect {
   readonly name: SqlDialect
   /** The knex instance the storage was given: the pool every step runs on. */
@@ -120,8 +142,20 @@ export interface Dialect {
   storeResponse: (db: Knex | Knex.Transaction, completion: Completion) => Promise<number>
   /** Drop the row if the lease is still held; rows changed (0 or 1). */
   giveBack: (lease: HeldLease) => Promise<number>
-  /** Extend the lease if it is still held; rows changed (0 or 1). */
-  renewLease: (renewal: LeaseRenewal) => Promise<number>
+  /** Extend the lease if it is still held, on `db` (the pool, or the request's transaction); rows changed (0 or 1). */
+  renewLease: (renewal: LeaseRenewal, db?: Knex | Knex.Transaction) => Promise<number>
+  /** Open a transaction at `level`, before its first statement (the session's default when absent). */
+  beginTransaction: (level: IsolationLevel | undefined) => Promise<Knex.Transaction>
+  /**
+   * Where the lease of a request whose transaction `trx` was opened at `level` is renewed while it
+   * is open. May read, through `trx` and once per store, what the server's sessions default to.
+   */
+  leaseHolding: (trx: Knex.Transaction, level: IsolationLevel | undefined) => Promise<LeaseHolding>
+  /**
+   * A statement of a transaction failed because it conflicted with another transaction, and the
+   * transaction may succeed when run again (serialization failure, deadlock, busy database).
+   */
+  isConflict: (error: unknown) => boolean
   /** The key's live entry (in flight or completed), or `undefined` when there is none. */
   readEntry: (id: Buffer) => Promise<BeginResult | undefined>
   /** Delete up to `batchSize` expired rows. */

@@ -24,6 +24,7 @@ import { forgetRow, inspectRow, listLeaseRows } from './operations.js'
 import { PgListener } from './pg-listener.js'
 import { proveKnex } from './proof.js'
 import { PostgresDialect } from './postgres.js'
+import { openTransaction, type OpenedTransaction } from './request-transaction.js'
 import { RequestSlots, poolSize } from './request-slots.js'
 import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
 import { createIdempotencyTable, sqlDialect, type SqlDialect } from './schema.js'
@@ -130,13 +131,14 @@ export class KnexStorage implements TransactionalStorage {
   async transaction (options: TransactionOptions = {}): Promise<StorageTransaction> {
     if (!this.#started) await this.#start()
     const release = options.request === true ? await this.#requestSlots.take() : undefined
-    let trx: Knex.Transaction
+    let opened: OpenedTransaction
     try {
-      trx = await this.#dialect.knex.transaction()
+      opened = await openTransaction(this.#dialect, options, this.singleConnection)
     } catch (error) {
       release?.()
       throw error
     }
+    const { trx, renew } = opened
     // A failed COMMIT rejects the transaction's own promise as well as commit()'s; the caller
     // handles the latter, so the former must not surface as an unhandled rejection. However it
     // ends, its slot is free again.
@@ -145,8 +147,18 @@ export class KnexStorage implements TransactionalStorage {
       handle: trx,
       complete: async (key, token, response, expiration) => await this.#storeResponse(trx, completion(key, token, response, expiration)),
       commit: async () => { await this.#commit(trx) },
-      rollback: async () => { if (!trx.isCompleted()) await trx.rollback() }
+      rollback: async () => { if (!trx.isCompleted()) await trx.rollback() },
+      ...(renew === undefined ? {} : { renew })
     }
+  }
+
+  /**
+   * A statement of one of its transactions (a handler's) failed because the transaction conflicted
+   * with another: a serialization failure or deadlock (PostgreSQL), a deadlock, lock wait timeout or
+   * snapshot conflict (MySQL/MariaDB), a busy database (SQLite).
+   */
+  isConflict (error: unknown): boolean {
+    return this.#dialect.isConflict(error)
   }
 
   /**
@@ -160,9 +172,10 @@ export class KnexStorage implements TransactionalStorage {
    * knex's ROLLBACK then ends it either way (after a COMMIT that went through there is nothing left
    * to roll back, and SQLite only says so).
    *
-   * Elsewhere the connection whose COMMIT failed is not used again: a connection killed during
-   * COMMIT went back to knex's pool before its driver noticed, and the very next statement (the
-   * lease given back) took it and failed too, which left the key locked until `lockTimeout`.
+   * Elsewhere the connection whose COMMIT failed is not used again, unless the server refused it as
+   * a serialization failure: a connection killed during COMMIT went back to knex's pool before its
+   * driver noticed, and the very next statement (the lease given back) took it and failed too,
+   * which left the key locked until `lockTimeout`.
    */
   async #commit (trx: Knex.Transaction): Promise<void> {
     if (this.#dialect.name === 'sqlite') {
@@ -176,8 +189,10 @@ export class KnexStorage implements TransactionalStorage {
     const connection = await (trx.client as { acquireConnection: () => Promise<{ __knex__disposed?: unknown }> }).acquireConnection()
     await trx.commit()
     await trx.executionPromise.catch((error: unknown) => {
-      // knex's pool checks this before it hands a connection out, and destroys it instead.
-      connection.__knex__disposed ??= error
+      // knex's pool checks this before it hands a connection out, and destroys it instead. A
+      // serialization failure is the server's answer on a sound connection: that one is kept
+      // (at SERIALIZABLE they are routine, and each would cost a new connection and knex's warning).
+      if (!this.#dialect.isConflict(error)) connection.__knex__disposed ??= error
       throw trimmed(error)
     })
   }

@@ -3,10 +3,10 @@
  * the row from it; on MySQL a replay reads the entry with a second statement.
  */
 import type { Knex } from 'knex'
-import type { BeginResult } from '../types.js'
+import type { BeginResult, IsolationLevel } from '../types.js'
 import { BaseDialect, completeSql, completeValues } from './base-dialect.js'
 import { driverOf, onConnection } from './connection.js'
-import { bounded, clockOf, type Completion, type DialectOptions, type HeldLease, type LeaseRequest, type PurgedBatch } from './dialect.js'
+import { bounded, clockOf, readsCommitted, type Completion, type DialectOptions, type HeldLease, type LeaseHolding, type LeaseRequest, type PurgedBatch } from './dialect.js'
 import { COLUMNS, toResult, type Row } from './rows.js'
 
 // ON DUPLICATE KEY UPDATE has no WHERE, so each assignment carries the condition. Assignments run
@@ -54,6 +54,32 @@ export function hasInsertReturning (version: string): boolean {
   return major > 10 || (major === 10 && minor >= 5)
 }
 
+/** A session's default level, and whether it checks snapshots on write. */
+interface Session {
+  level: string
+  snapshotIsolation: boolean
+}
+
+/**
+ * Read through `trx` (a failed statement leaves a MySQL transaction as it was): MySQL 8 and
+ * MariaDB 11.1+ name the level `transaction_isolation`, earlier ones `tx_isolation`; MySQL has no
+ * innodb_snapshot_isolation.
+ */
+async function sessionOf (trx: Knex.Transaction): Promise<Session> {
+  const value = async (variable: string): Promise<string | undefined> => {
+    try {
+      const [rows] = await trx.raw(`SELECT @@${variable} AS value`)
+      return String((rows as Array<{ value: unknown }>)[0]!.value)
+    } catch {
+      return undefined
+    }
+  }
+  return {
+    snapshotIsolation: await value('innodb_snapshot_isolation') === '1',
+    level: await value('transaction_isolation') ?? await value('tx_isolation') ?? 'REPEATABLE-READ'
+  }
+}
+
 export class MysqlDialect extends BaseDialect {
   readonly name = 'mysql' as const
   /** The upsert, through knex (`??` for the table). */
@@ -68,6 +94,8 @@ export class MysqlDialect extends BaseDialect {
   readonly #executeStoreResponse: string
   /** Whether `#execute` is used: MariaDB 10.5+ through knex's own mysql2 client. */
   #executing = false
+  /** What the server's sessions do, read once (see `leaseHolding`). */
+  #session: Session | undefined
 
   constructor ({ knex, table, statementTimeout, now }: DialectOptions) {
     super({ knex, table, clock: clockOf(SERVER_CLOCK, now), bound: bounded(statementTimeout) })
@@ -138,6 +166,23 @@ export class MysqlDialect extends BaseDialect {
   isDeadlock (error: unknown): boolean {
     const { code, errno } = (error ?? {}) as { code?: unknown, errno?: unknown }
     return errno === 1213 || code === 'ER_LOCK_DEADLOCK'
+  }
+
+  /** A deadlock, a lock wait timeout, or (snapshot isolation) a row changed since this transaction read. */
+  isConflict (error: unknown): boolean {
+    const errno = (error as { errno?: unknown } | null)?.errno
+    return this.isDeadlock(error) || errno === 1205 || errno === 1020
+  }
+
+  /**
+   * InnoDB updates the newest version of a row whatever the transaction's snapshot, so the lease is
+   * renewed outside: unless the server checks snapshots on write (MariaDB's
+   * innodb_snapshot_isolation, on by default from 11.6): a REPEATABLE READ or SERIALIZABLE
+   * transaction then cannot change a row changed after it read (error 1020).
+   */
+  async leaseHolding (trx: Knex.Transaction, level: IsolationLevel | undefined): Promise<LeaseHolding> {
+    this.#session ??= await sessionOf(trx)
+    return !this.#session.snapshotIsolation || readsCommitted(level ?? this.#session.level) ? 'outside' : 'locked'
   }
 
   /**

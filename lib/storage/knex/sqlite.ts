@@ -9,10 +9,10 @@
  * more than running it.
  */
 import type { Knex } from 'knex'
-import type { BeginResult } from '../types.js'
+import type { BeginResult, IsolationLevel } from '../types.js'
 import { BaseDialect, completeSql, completeValues } from './base-dialect.js'
 import { driverOf, onConnection } from './connection.js'
-import { bounded, clockOf, type Completion, type DialectOptions, type HeldLease, type LeaseRequest, type PurgedBatch } from './dialect.js'
+import { bounded, clockOf, type Completion, type DialectOptions, type HeldLease, type LeaseHolding, type LeaseRequest, type PurgedBatch } from './dialect.js'
 import { COLUMNS, toResult, type Row } from './rows.js'
 import { quotedName } from './schema.js'
 
@@ -41,6 +41,15 @@ interface SqliteConnection { prepare: (sql: string) => SqliteStatement }
 
 function isBetterSqlite (db: Knex | Knex.Transaction): boolean {
   return driverOf(db) === 'better-sqlite3'
+}
+
+/** What `beginTransaction` needs of knex's client: its Transaction, whose `begin` it replaces. */
+interface TransactionClient {
+  transaction: (container: (trx: Knex.Transaction) => void, config: object, outer: null) => {
+    begin: (connection: unknown) => Promise<unknown>
+    query: (connection: unknown, sql: string) => Promise<unknown>
+    catch: (onRejected: (error: unknown) => void) => unknown
+  }
 }
 
 /** better-sqlite3 runs each statement to its end synchronously: there is nothing to cancel. */
@@ -85,6 +94,34 @@ export class SqliteDialect extends BaseDialect {
 
   isDeadlock (): boolean {
     return false
+  }
+
+  /** SQLITE_BUSY and its kinds: another connection holds the write lock, or wrote after this transaction's snapshot. */
+  isConflict (error: unknown): boolean {
+    return String((error as { code?: unknown } | null)?.code).startsWith('SQLITE_BUSY')
+  }
+
+  /** The transaction becomes SQLite's one writer (at once when IMMEDIATE): nothing else can renew the lease meanwhile. */
+  async leaseHolding (): Promise<LeaseHolding> {
+    return 'inside'
+  }
+
+  /**
+   * SQLite's transactions are all serializable. `serializable` begins IMMEDIATE: the write lock is
+   * taken at BEGIN (waiting for it as any writer does), so the transaction is never refused
+   * halfway (SQLITE_BUSY when another connection wrote after its snapshot, with WAL). The other
+   * levels begin DEFERRED (knex's BEGIN): the write lock at the first write. knex has no option for
+   * it, so its transaction's `begin` is replaced before it runs (it runs once a connection is free).
+   */
+  override async beginTransaction (level: IsolationLevel | undefined): Promise<Knex.Transaction> {
+    if (level !== 'serializable') return await this.knex.transaction()
+    return await new Promise((resolve, reject) => {
+      // As knex.transaction() makes it (knex-builder/make-knex.js).
+      const config = { userParams: (this.knex as { userParams?: object }).userParams ?? {}, doNotRejectOnRollback: true }
+      const transaction = (this.knex.client as TransactionClient).transaction(resolve, config, null)
+      transaction.begin = async (connection) => await transaction.query(connection, 'BEGIN IMMEDIATE;')
+      transaction.catch(reject)
+    })
   }
 
   /** `readEntry` on the hot path: prepared once per connection with better-sqlite3. */

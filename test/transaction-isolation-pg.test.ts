@@ -1,0 +1,106 @@
+/**
+ * Transaction mode on PostgreSQL where the level does not come from the plugin's option, or the
+ * connection is not a direct one: a role whose default is SERIALIZABLE (`ALTER ROLE ... SET
+ * default_transaction_isolation`, on a role of this file's own, with a schema of its own), and
+ * PgBouncer in transaction pooling at the levels that record what they read. The same workloads
+ * as test/transaction-isolation.test.ts; and, on that role, the store's own statements in plain
+ * and in transaction mode, which run as READ COMMITTED: at the role's SERIALIZABLE they recorded
+ * their reads, and failed one another (and the requests' transactions) as serialization failures.
+ */
+import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import Fastify from 'fastify'
+import knexFactory, { type Knex } from 'knex'
+import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
+import { KnexStorage } from '../lib/knex.js'
+import { newKey } from './helpers/app.js'
+import { POSTGRES, pgConnection, service } from './helpers/services.js'
+import { pgbouncer } from './helpers/pgbouncer.js'
+import { reportMatrix, transactionMatrix } from './helpers/transaction-matrix.js'
+
+const postgres = await service(POSTGRES)
+const bouncer = await pgbouncer()
+const role = `idem_serializable_${process.pid}_${Date.now().toString(36)}`
+let admin: Knex | undefined
+
+beforeAll(async () => {
+  if (!postgres.available) return
+  admin = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 1 } })
+  await admin.raw(`CREATE ROLE ${role} LOGIN`)
+  await admin.raw(`ALTER ROLE ${role} SET default_transaction_isolation = 'serializable'`)
+  // Its tables go to a schema of its own (first on its search_path, "$user"), so nothing is
+  // granted on the shared server's public schema.
+  await admin.raw(`CREATE SCHEMA ${role} AUTHORIZATION ${role}`)
+})
+afterAll(async () => {
+  if (admin === undefined) return
+  await admin.raw(`DROP SCHEMA IF EXISTS ${role} CASCADE`)
+  await admin.raw(`DROP ROLE IF EXISTS ${role}`)
+  await admin.destroy()
+})
+
+transactionMatrix({
+  label: 'PostgreSQL, serializable as the role\'s default (no isolationLevel)',
+  availability: postgres,
+  connect: () => knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } }),
+  transaction: true,
+  steps: true
+})
+for (const isolationLevel of ['repeatable read', 'serializable'] as const) {
+  transactionMatrix({
+    label: `PostgreSQL through PgBouncer (transaction pooling), ${isolationLevel}`,
+    availability: bouncer.availability,
+    connect: () => knexFactory({ client: 'pg', connection: bouncer.transaction }),
+    transaction: { isolationLevel },
+    steps: true
+  })
+}
+reportMatrix()
+
+describe.skipIf(!postgres.available)(`the store's own statements, on a role whose default is SERIALIZABLE${postgres.reason}`, () => {
+  it('roll back their own READ COMMITTED transaction when they fail, and leave the connection ready for the next', async () => {
+    // One connection: the statement after the failure runs on it.
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role }, pool: { min: 0, max: 1 } })
+    const other = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role }, pool: { min: 0, max: 1 } })
+    const storage = new KnexStorage({ knex, tableName: `failing_${process.pid}`, createTable: true, statementTimeout: 200 })
+    try {
+      const key = newKey('locked')
+      expect((await storage.begin(key, 'fp', 100)).state).toBe('acquired')
+      // Another transaction holds the key's row while its lease lapses: the next begin waits for it
+      // past statementTimeout, and fails.
+      const holder = await other.transaction()
+      await holder.raw(`SELECT 1 FROM ${role}.failing_${process.pid} FOR UPDATE`)
+      await new Promise((resolve) => setTimeout(resolve, 150))
+      await expect(storage.begin(key, 'fp', 60_000)).rejects.toThrow(/lock timeout/)
+      await holder.commit()
+      expect((await storage.begin(newKey('next'), 'fp', 60_000)).state).toBe('acquired')
+      expect((await knex.raw("SELECT current_setting('transaction_isolation') AS level")).rows[0].level).toBe('serializable')
+    } finally {
+      await knex.destroy()
+      await other.destroy()
+    }
+  })
+
+  it('never fail one another: 200 first requests with distinct keys, 40 at a time, each stored at once, in plain and in transaction mode', async () => {
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } })
+    const table = `plain_${process.pid}`
+    try {
+      for (const transaction of [false, true]) {
+        const problems: string[] = []
+        const app = Fastify({ logger: { level: 'warn', stream: { write: (line: string) => { problems.push(String(JSON.parse(line).msg)) } } } })
+        await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: `${table}_${String(transaction)}`, createTable: true }), transaction })
+        app.setErrorHandler(idempotencyErrorHandler())
+        app.post('/o', { config: { idempotency: true } }, async () => ({ ok: true }))
+        await app.ready()
+        const codes: number[] = []
+        for (let round = 0; round < 5; round++) {
+          const answers = await Promise.all(Array.from({ length: 40 }, async () => await app.inject({ method: 'POST', url: '/o', headers: { 'idempotency-key': newKey('plain') }, payload: {} })))
+          codes.push(...answers.map((answer) => answer.statusCode))
+        }
+        await app.close()
+        expect({ transaction, refused: codes.filter((code) => code !== 200).length, problems }).toEqual({ transaction, refused: 0, problems: [] })
+      }
+    } finally {
+      await knex.destroy()
+    }
+  })
+})
