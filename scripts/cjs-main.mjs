@@ -8,14 +8,14 @@
  * - dist/index.cjs (run as a script, after tsup): tsup's exports object is copied onto the plugin,
  *   which becomes `module.exports`;
  * - dist/index.d.cts (`writeRequireDeclarations`, called by scripts/build-types.mjs): the
- *   declarations of tsup's object move to dist/exports.d.cts, and index.d.cts declares the plugin
+ *   declarations of lib/index.ts move to dist/exports.d.cts, and index.d.cts declares the plugin
  *   as a function merged with a namespace of those exports (`export =`), as the @fastify plugins'
- *   own declarations do.
+ *   own declarations do. The ES entry's default export is that plugin too (scripts/esm-entries.mjs).
  */
 import { appendFileSync, readFileSync, writeFileSync } from 'node:fs'
 import { join, resolve } from 'node:path'
 
-/** Every name dist/index.d.ts exports (values and types), but `default`. */
+/** Every name lib/index.ts's declarations export (values and types), but `default`. */
 function exportedNames (declarations) {
   const names = new Set()
   for (const [, list] of declarations.matchAll(/^export (?:type )?\{([^}]*)\}/gm)) {
@@ -31,19 +31,20 @@ function exportedNames (declarations) {
 }
 
 /**
- * A `.d.cts` twin's re-exports without their `type` modifiers: a namespace can alias a type only
- * if no module on its way exported it with `export type`, and in declarations the modifier says
+ * Declarations' re-exports without their `type` modifiers: a namespace can alias a type only if
+ * no module on its way exported it with `export type`, and in declarations the modifier says
  * nothing else.
  */
 export function withoutTypeOnlyReexports (source) {
   return source.replace(/^export type \{/gm, 'export {').replace(/^export \{[^}]*\}/gm, (list) => list.replace(/\btype\s+/g, ''))
 }
 
-/** Rewrite `outDir`'s index.d.cts (a twin of index.d.ts) for the CommonJS main entry. */
+/** Rewrite `outDir`'s index.d.cts (lib/index.ts's declarations) for the CommonJS main entry. */
 export function writeRequireDeclarations (outDir) {
-  const names = exportedNames(readFileSync(join(outDir, 'index.d.ts'), 'utf8'))
-  if (!names.includes('idempotency')) throw new Error('cjs-main: index.d.ts does not export idempotency')
-  writeFileSync(join(outDir, 'exports.d.cts'), readFileSync(join(outDir, 'index.d.cts'), 'utf8'))
+  const declarations = readFileSync(join(outDir, 'index.d.cts'), 'utf8')
+  const names = exportedNames(declarations)
+  if (!names.includes('idempotency')) throw new Error('cjs-main: index.d.cts does not export idempotency')
+  writeFileSync(join(outDir, 'exports.d.cts'), declarations)
   writeFileSync(join(outDir, 'index.d.cts'), `/**
  * \`require('fastify-idempotency')\`: the plugin, with every other export as its property.
  *

@@ -1,8 +1,8 @@
 /**
  * The package loaded with require(), with import(), and with both at once (an app and one of its
  * dependencies), from the packed tarball: what crosses its entry points keeps one meaning. The
- * plugin (dist/index.*) and each store (dist/knex.*, dist/redis.*) are built apart, so each
- * carries its own copy of the errors they share; an entry a store cannot read must still be a 409
+ * plugin (dist/index.*) and each store (dist/knex.*, dist/redis.*) share the errors they throw
+ * (one CommonJS build, which the ES entries re-export); an entry a store cannot read must be a 409
  * to the plugin of any format, never a store outage (503, or with failOpen a second run).
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'

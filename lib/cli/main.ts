@@ -15,12 +15,14 @@ const pending: Array<Promise<void>> = []
 for (const method of ['log', 'info', 'warn', 'debug'] as const) {
   console[method] = (...args: unknown[]) => { pending.push(write(process.stderr, `${format(...args)}\n`)) }
 }
-const code = await runCommand(process.argv.slice(2), {
+// No top-level await: the command is built as CommonJS, sharing the package's chunks.
+void runCommand(process.argv.slice(2), {
   stdout: (text) => { pending.push(write(process.stdout, text)) },
   stderr: (text) => { pending.push(write(process.stderr, text)) },
   cwd: process.cwd(),
   env: process.env,
   terminal: process.stderr.isTTY === true
+}).then(async (code) => {
+  await Promise.all(pending)
+  process.exit(code)
 })
-await Promise.all(pending)
-process.exit(code)

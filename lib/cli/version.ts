@@ -1,6 +1,6 @@
 /**
  * `--version`: the version in the package's own package.json, found from this file upwards
- * (dist/cli.js in the package, lib/cli/ in the repository).
+ * (dist/cli.cjs in the package, lib/cli/ in the repository).
  */
 import { existsSync, readFileSync } from 'node:fs'
 import { dirname, join } from 'node:path'

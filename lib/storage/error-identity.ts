@@ -1,10 +1,11 @@
 /**
  * One identity per error class across every copy of this package's code in a process.
  *
- * A process may hold several copies of a class: `dist/index.cjs` and `dist/knex.cjs` are bundled
- * apart, an application may load the ESM build and a dependency the CommonJS one, the command
- * (`dist/cli.js`) runs a store from the user's configuration, and two versions may share one app.
- * A plain `instanceof` then fails across copies: an entry the knex store cannot read would be taken
+ * A process may hold several copies of a class: two versions of the package may share one app
+ * (an application's and a dependency's), the command runs a store from the user's configuration,
+ * which may come from another install, and the tests load the sources again. (One install's
+ * entries and module formats share one build: tsup.config.ts.) A plain `instanceof` then fails
+ * across copies: an entry the knex store cannot read would be taken
  * for a store outage (503, and with `failOpen` a second run of the handler) instead of the 409 it
  * is. So the classes that cross those boundaries answer `instanceof` by a brand, a symbol from the
  * global registry that every copy's instances carry, named by a stable id.

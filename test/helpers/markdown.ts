@@ -2,6 +2,8 @@
  * Reading Markdown pages as a renderer does: the anchors their headings get, and the links they
  * hold (outside code), for the tests that check the documentation.
  */
+import { existsSync, readFileSync, statSync } from 'node:fs'
+import { dirname, join, relative, resolve } from 'node:path'
 
 const FENCED = /^[ \t]*(```+|~~~+)[^\n]*\n[\s\S]*?^[ \t]*\1[ \t]*$/gm
 
@@ -41,4 +43,39 @@ export function linksOf (markdown: string): string[] {
 /** A link that leaves the page's package: a URL with a scheme (https:, mailto:). */
 export function isExternal (target: string): boolean {
   return /^[a-z][a-z0-9+.-]*:/i.test(target)
+}
+
+/** The address of this repository's files on its main branch, which this checkout will be once merged. */
+export const REPOSITORY_FILES = 'https://github.com/fastify-idempotency/fastify-idempotency/blob/main/'
+
+export interface LinkCheck {
+  /** Each link that leads nowhere, with its page (relative to `base`) and why. */
+  broken: string[]
+  /** How many links were followed, and how many of them into the repository by its address. */
+  followed: number
+  inRepository: number
+}
+
+/**
+ * Follows the links of `pages`: a relative one must name a file under `base` (the package, or the
+ * repository), an address of REPOSITORY_FILES a file of the checkout at `repository`, and an
+ * anchor a heading of the page it names. Other addresses are not followed.
+ */
+export function checkLinks (pages: string[], base: string, repository: string): LinkCheck {
+  const result: LinkCheck = { broken: [], followed: 0, inRepository: 0 }
+  for (const page of pages) {
+    for (const link of linksOf(readFileSync(page, 'utf8'))) {
+      const inRepository = link.startsWith(REPOSITORY_FILES)
+      if (!inRepository && isExternal(link)) continue
+      const [path = '', anchor] = (inRepository ? link.slice(REPOSITORY_FILES.length) : link).split('#') as [string, string | undefined]
+      const within = inRepository ? repository : base
+      const target = path === '' ? page : inRepository ? join(repository, decodeURIComponent(path)) : resolve(dirname(page), decodeURIComponent(path))
+      result.followed++
+      if (inRepository) result.inRepository++
+      const where = `${relative(base, page)}: ${link}`
+      if (relative(within, target).startsWith('..') || !existsSync(target)) result.broken.push(`${where} (${inRepository ? 'not in the repository' : 'no such file here'})`)
+      else if (anchor !== undefined && statSync(target).isFile() && target.endsWith('.md') && !anchorsOf(readFileSync(target, 'utf8')).has(anchor)) result.broken.push(`${where} (no such heading)`)
+    }
+  }
+  return result
 }
