@@ -11,7 +11,9 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import knexFactory from 'knex'
 import { Redis } from 'ioredis'
 import { runCommand } from '../lib/cli/run.js'
-import { createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
+import { KnexStorage, createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
+import { RedisStorage } from '../lib/redis.js'
+import { MemoryStorage } from '../lib/index.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service } from './helpers/services.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 import { scaled } from './helpers/pace.js'
@@ -23,13 +25,17 @@ mkdirSync(work, { recursive: true })
 afterAll(() => rmSync(work, { recursive: true, force: true }))
 
 /** The config module: the store the environment names; its clients kept to be closed after. */
-const CONFIG = `import knex from 'knex'
-import { Redis } from 'ioredis'
-import { RedisStorage } from '../../lib/redis.js'
-import { KnexStorage } from '../../lib/knex.js'
-import { MemoryStorage } from '../../lib/index.js'
-
-export default () => {
+// In process, the test hands the config its own modules (globalThis.doctorModules): loaded again
+// through tsx, the library would be a second copy that coverage counts apart from the first.
+const CONFIG = `export default async () => {
+  const given = (globalThis as { doctorModules?: Record<string, any> }).doctorModules
+  const { knex, Redis, RedisStorage, KnexStorage, MemoryStorage } = given ?? {
+    knex: (await import('knex')).default,
+    Redis: (await import('ioredis')).Redis,
+    RedisStorage: (await import('../../lib/redis.js')).RedisStorage,
+    KnexStorage: (await import('../../lib/knex.js')).KnexStorage,
+    MemoryStorage: (await import('../../lib/index.js')).MemoryStorage
+  }
   const env = process.env
   if (env.DOCTOR_STORE === 'memory') return { storage: new MemoryStorage() }
   const opened = ((globalThis as { doctorClients?: Array<{ disconnect?: () => void, destroy?: () => Promise<void> }> }).doctorClients ??= [])
@@ -44,6 +50,7 @@ export default () => {
 }
 `
 const configFile = join(work, 'doctor.config.ts')
+;(globalThis as { doctorModules?: unknown }).doctorModules = { knex: knexFactory, Redis, RedisStorage, KnexStorage, MemoryStorage }
 writeFileSync(configFile, CONFIG)
 
 type Run = CommandRun

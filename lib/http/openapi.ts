@@ -24,14 +24,19 @@ export type DocumentedSettings = Pick<PluginSettings, 'headerName' | 'maxKeyLeng
 
 /** What @fastify/swagger gives a `transform`: the route's schema and URL, the route, and the document being made. */
 export interface TransformInput {
+  /** The route's schema, as @fastify/swagger hands it over. */
   schema: FastifySchema
+  /** The route's URL. */
   url: string
+  /** The route's options, where the plugin finds what it guards. */
   route: RouteOptions
 }
 
 /** What a `transform` gives back to @fastify/swagger. */
 export interface TransformResult {
+  /** The schema to document, with the plugin's header and answers added. */
   schema: FastifySchema
+  /** The URL to document the route at. */
   url: string
 }
 

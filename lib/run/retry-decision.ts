@@ -32,26 +32,47 @@ export type RetryDecision =
    * by then it is done (a duplicate gets its result) or its lease lapsed (its holder died: this one
    * runs it). `'store-unavailable'`: the store could not be reached.
    */
-  | { kind: 'retry', reason: 'in-progress' | 'store-unavailable', delayMs: number, error: IdempotencyError }
+  | {
+    /** What to do. */ kind: 'retry'
+    /** Why, in one word. */ reason: 'in-progress' | 'store-unavailable'
+    /** How long to wait before running it again, in milliseconds. */ delayMs: number
+    /** The error `run` threw. */ error: IdempotencyError
+  }
   /** `run` was closing (`close()`, `app.close()`): nothing ran; hand the message back for another consumer. */
-  | { kind: 'release', reason: 'closing', error: IdempotencyError }
+  | {
+    /** What to do. */ kind: 'release'
+    /** Why, in one word. */ reason: 'closing'
+    /** The error `run` threw. */ error: IdempotencyError
+  }
   /**
    * The work ran, and its result is not to be had: acknowledge the message. `'result-not-recorded'`:
    * it ran before, and its result could not be kept; `'lease-lost'`: it ran now, and its lease
    * ended before its result was kept.
    */
-  | { kind: 'done', reason: 'result-not-recorded' | 'lease-lost', error: IdempotencyError }
+  | {
+    /** What to do. */ kind: 'done'
+    /** Why, in one word. */ reason: 'result-not-recorded' | 'lease-lost'
+    /** The error `run` threw. */ error: IdempotencyError
+  }
   /**
    * No delivery of this message can succeed: dead-letter it. `why` says so in words, for the
    * dead-letter's headers or a log line.
    */
-  | { kind: 'give-up', reason: 'fingerprint-mismatch' | 'key-invalid' | 'input-unusable' | 'entry-unreadable', why: string, error: IdempotencyError }
+  | {
+    /** What to do. */ kind: 'give-up'
+    /** Why, in one word. */ reason: 'fingerprint-mismatch' | 'key-invalid' | 'input-unusable' | 'entry-unreadable'
+    /** Why, in words, for a dead-letter's headers or a log line. */ why: string
+    /** The error `run` threw. */ error: IdempotencyError
+  }
   /**
    * An attempt failed: the work threw (`error` is its own error, whatever its class), or its
    * writes were rolled back with its result (transaction mode). Nothing is kept: the caller's
    * policy decides how often to try again.
    */
-  | { kind: 'failed', error: unknown }
+  | {
+    /** What to do. */ kind: 'failed'
+    /** What the work threw, whatever its class, or the refusal of a rolled-back commit. */ error: unknown
+  }
 
 /** How long to wait before asking again when the store could not be reached. */
 const STORE_RETRY_MS = 1000

@@ -314,8 +314,11 @@ export type IsolationLevel = 'read committed' | 'repeatable read' | 'serializabl
 
 /** The lease a request's transaction is opened under: the key, the token that holds it, its length. */
 export interface TransactionLease {
+  /** The key whose lease the transaction holds. */
   key: string
+  /** The lease's token, as `begin` gave it. */
   token: string
+  /** How long the lease lasts from each renewal, in milliseconds. */
   lockTimeout: number
 }
 
