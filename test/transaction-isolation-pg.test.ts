@@ -80,6 +80,37 @@ describe.skipIf(!postgres.available)(`the store's own statements, on a role whos
     }
   })
 
+  it('run every statement standing alone at READ COMMITTED: renewals, releases, reads, purges and what doctor\'s commands send', async () => {
+    const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } })
+    const storage = new KnexStorage({ knex, tableName: `alone_${process.pid}`, createTable: true })
+    // Each statement on the table, with the level of the transaction it ran in: knex's query
+    // events carry the transaction's id, and its BEGIN names the level.
+    const levels = new Map<string, string>()
+    const statements: Array<{ sql: string, level: string }> = []
+    knex.on('query', (query: { sql: string, __knexTxId?: string }) => {
+      const begin = /^BEGIN TRANSACTION ISOLATION LEVEL (.+?);?$/i.exec(query.sql)
+      if (begin !== null && query.__knexTxId !== undefined) levels.set(query.__knexTxId, begin[1]!.toLowerCase())
+      else if (query.sql.includes(`alone_${process.pid}`)) statements.push({ sql: query.sql.split(' ').slice(0, 2).join(' '), level: query.__knexTxId === undefined ? 'the session\'s' : levels.get(query.__knexTxId) ?? 'the session\'s' })
+    })
+    try {
+      await storage.ready()
+      const key = newKey('alone')
+      const taken = await storage.begin(key, 'fp', 60_000)
+      if (taken.state !== 'acquired') throw new Error('not acquired')
+      statements.length = 0
+      expect(await storage.renew(key, taken.token, 60_000)).toBe(true)
+      expect((await storage.inspect(key)).state).toBe('in-flight')
+      expect(await storage.release(key, taken.token)).toBe(true)
+      await storage.purgeExpired()
+      await storage.forget(key, { force: true, relatedPrefix: `${key}:` })
+      expect(statements.length).toBeGreaterThanOrEqual(4)
+      expect(statements.filter((statement) => statement.level !== 'read committed')).toEqual([])
+    } finally {
+      await storage.close()
+      await knex.destroy()
+    }
+  })
+
   it('never fail one another: 200 first requests with distinct keys, 40 at a time, each stored at once, in plain and in transaction mode', async () => {
     const knex = knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } })
     const table = `plain_${process.pid}`

@@ -85,7 +85,8 @@ export function transactionMatrix (target: MatrixTarget): void {
       await knex.schema.createTable(counter, (t) => { t.integer('id').primary(); t.integer('n').notNullable() })
       await knex.schema.createTable(ledger, (t) => { t.increments('id'); t.string('idem_key', 200).notNullable(); t.integer('seen').notNullable() })
       await knex(counter).insert({ id: 1, n: 0 })
-      app = Fastify()
+      // MATRIX_LOG=1: the plugin's warnings and errors, with the driver's error behind each 503.
+      app = Fastify({ logger: process.env.MATRIX_LOG === '1' ? { level: 'warn' } : false })
       await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }), lockTimeout: LOCK_TIMEOUT, transaction: target.transaction })
       app.setErrorHandler(idempotencyErrorHandler())
       app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {

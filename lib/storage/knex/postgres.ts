@@ -172,8 +172,6 @@ export class PostgresDialect extends BaseDialect {
    * runs at (see `leaseHolding`), and what each statement standing alone runs at (see `#send`).
    */
   #sessionLevel = 'read committed'
-  /** The sessions default to REPEATABLE READ or SERIALIZABLE (see `#send`). */
-  #strictSession = false
   readonly #giveBack: string
   readonly #markWaiting: string
   /**
@@ -182,8 +180,11 @@ export class PostgresDialect extends BaseDialect {
    */
   #named: boolean
   readonly #namedByChoice: boolean | undefined
-  /** What the server probe found (see `probeServer`); shared with `bound`, made before it ran. */
-  readonly #path: { pooled: boolean }
+  /**
+   * What the server probe found (see `probeServer`); shared with `bound`, made before it ran.
+   * `strict`: the sessions default to REPEATABLE READ or SERIALIZABLE (see `#send`).
+   */
+  readonly #path: { pooled: boolean, strict: boolean }
 
   /**
    * `namedStatements`: name the hot statements, so each connection parses and plans them once.
@@ -191,7 +192,7 @@ export class PostgresDialect extends BaseDialect {
    * would format and renumber their values on every call (`onConnection`).
    */
   constructor ({ knex, table, statementTimeout, now, namedStatements }: DialectOptions) {
-    const path = { pooled: false }
+    const path = { pooled: false, strict: false }
     const lockBound = lockWaitBound(statementTimeout)
     const cancelled = bounded(statementTimeout)
     super({
@@ -203,7 +204,13 @@ export class PostgresDialect extends BaseDialect {
       // slow server). Through a pooler that id is the pooler's: the cancel would reach nothing.
       bound: (query) => {
         if (lockBound !== '' && 'andWhereRaw' in query) query.andWhereRaw(lockBound)
-        return path.pooled ? query : cancelled(query)
+        const sent = path.pooled ? query : cancelled(query)
+        // Standing alone where the sessions default to REPEATABLE READ or SERIALIZABLE: in a READ
+        // COMMITTED transaction of its own, as `#send` does for the hot statements. A renewal at
+        // the role's SERIALIZABLE recorded its read, and failed as a serialization failure beside
+        // the requests' transactions (the lease then lapsed, or the request was answered 503).
+        if (!path.strict || (query as { client?: { transacting?: boolean } }).client?.transacting === true) return sent
+        return knex.transaction(async (trx) => await sent.transacting(trx), { isolationLevel: 'read committed' }) as unknown as typeof query
       }
     })
     this.#path = path
@@ -239,7 +246,7 @@ export class PostgresDialect extends BaseDialect {
       [connection.processID, (await connection.query("SELECT pg_backend_pid() AS pid, current_setting('default_transaction_isolation') AS level")).rows[0]])
     this.#path.pooled = Number(pid[0]) !== Number((pid[1] as { pid: unknown }).pid)
     this.#sessionLevel = String((pid[1] as { level: unknown }).level)
-    this.#strictSession = !readsCommitted(this.#sessionLevel)
+    this.#path.strict = !readsCommitted(this.#sessionLevel)
     if (this.#path.pooled && this.#namedByChoice !== true) this.#named = false
   }
 
@@ -358,7 +365,7 @@ export class PostgresDialect extends BaseDialect {
    */
   async #send (db: Knex | Knex.Transaction, query: PgQuery): Promise<{ rows: unknown[] }> {
     const cancelAfter = this.#path.pooled ? 0 : this.#statementTimeout
-    const strict = this.#strictSession && db.isTransaction !== true
+    const strict = this.#path.strict && db.isTransaction !== true
     return await onConnection<PgConnection, { rows: unknown[] }>(db, cancelAfter, async (connection) => {
       if (!strict) return await connection.query(query)
       await connection.query('BEGIN ISOLATION LEVEL READ COMMITTED')
