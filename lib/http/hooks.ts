@@ -4,7 +4,7 @@
  * request through its phases (engine/request-state.ts); these hooks turn HTTP into its inputs and
  * its outcomes back into HTTP, in the order Fastify calls them:
  *
- *   onRequest      read and validate the key (400 before anything else happens)      keyed
+ *   onRequest      read and validate the key (a 400 is sent from preHandler)         keyed
  *   preValidation  (a route with a body schema) the body as it arrived, before validation
  *   preHandler     fingerprint, scope, then `acquire`: replay, refuse, or run   -> replayed, refused,
  *                                                                                  unprotected, running
@@ -81,11 +81,13 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
       // A route whose key comes from a function of its own reads it in preHandler.
       key = settings.key === null ? readIdempotencyKey(request.headers[headerName], headerLabel, maxKeyLength) : PENDING_KEY
     } catch (error) {
-      done(error as Error)
+      refuseLater(request, error as Error)
+      done()
       return
     }
     if (key === undefined) {
-      done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
+      if (settings.required) refuseLater(request, new IdempotencyKeyMissingError(headerLabel))
+      done()
       return
     }
     const guarded = request as GuardedRequest
@@ -95,6 +97,19 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
     guarded[kState] = http
     done()
   }
+}
+
+/** On a request: the plugin's refusal of its key (missing, invalid), sent from preHandler. */
+const kRefusal = Symbol('fastify-idempotency.refusal')
+
+/**
+ * A key refused in onRequest is answered from the plugin's preHandler, the route's last: every hook
+ * the app gave the route (authentication in onRequest, preValidation or preHandler, validation of
+ * the body) answers first, as for any other answer of the plugin. Only requests refused here get
+ * the property.
+ */
+function refuseLater (request: FastifyRequest, error: Error): void {
+  (request as FastifyRequest & { [kRefusal]?: Error })[kRefusal] = error
 }
 
 /** The key of a request whose route reads it from a function, until preHandler has. */
@@ -152,7 +167,7 @@ function preHandlerHook (route: GuardedRoute): preHandlerHookHandler {
   return function preHandler (request: FastifyRequest, reply: FastifyReply, done: (error?: Error) => void): void {
     const pending = (request as GuardedRequest)[kState]
     if (pending === null) {
-      done()
+      done((request as FastifyRequest & { [kRefusal]?: Error })[kRefusal])
       return
     }
     let asked: MaybePromise<Asked | null>
