@@ -12,6 +12,7 @@ import { connect } from 'node:net'
 import { connect as connectHttp2 } from 'node:http2'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify'
+import compress from '@fastify/compress'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
@@ -51,13 +52,13 @@ async function build (storage: IdempotencyStorage): Promise<{ app: FastifyInstan
 }
 
 /** POST over a socket of its own (Connection: close), and the answer's head as the bytes that came. */
-async function head (url: string, path: string, key?: string): Promise<Buffer> {
+async function head (url: string, path: string, key?: string, extra = ''): Promise<Buffer> {
   const { hostname, port } = new URL(url)
   const socket = connect({ host: hostname, port: Number(port) })
   await once(socket, 'connect')
   const body = '{"sku":"A1"}'
   // Not half-closed: the server closes the connection once it has answered (Connection: close).
-  socket.write(`POST ${path} HTTP/1.1\r\nHost: ${hostname}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n${key === undefined ? '' : `Idempotency-Key: ${key}\r\n`}\r\n${body}`)
+  socket.write(`POST ${path} HTTP/1.1\r\nHost: ${hostname}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n${key === undefined ? '' : `Idempotency-Key: ${key}\r\n`}${extra}\r\n${body}`)
   const chunks: Buffer[] = []
   for await (const chunk of socket) chunks.push(chunk as Buffer)
   const all = Buffer.concat(chunks)
@@ -185,4 +186,52 @@ describe('header bytes of a replay over HTTP/2 (memory)', () => {
       await app.close()
     }
   })
+})
+
+describe('header bytes of a replay beside @fastify/compress (memory)', () => {
+  for (const order of ['before', 'after'] as const) {
+    it(`registered ${order} the plugin: every retry's head carries the first answer's bytes, compressed or not, and the first answer is the plugin-less one`, async () => {
+      const app = Fastify()
+      if (order === 'before') await app.register(compress, { encodings: ['gzip'] })
+      await app.register(idempotency)
+      if (order === 'after') await app.register(compress, { encodings: ['gzip'] })
+      app.setErrorHandler(idempotencyErrorHandler())
+      let ran = 0
+      const answers: Record<string, (reply: FastifyReply) => unknown> = {
+        // Over @fastify/compress's threshold (1024 bytes): compressed for a client that accepts gzip.
+        large: () => ({ rows: 'café,4\n'.repeat(300) }),
+        small: () => ({ name: 'café' }),
+        empty: (reply) => { reply.code(204); return 'dropped' }
+      }
+      for (const [name, body] of Object.entries(answers)) {
+        const handler = async (_request: unknown, reply: FastifyReply) => {
+          ran++
+          reply.code(201).header('content-disposition', DISPOSITION)
+          return body(reply)
+        }
+        app.post(`/guarded/${name}`, { config: { idempotency: true } }, handler)
+        app.post(`/plain/${name}`, handler)
+      }
+      const url = await app.listen({ host: '127.0.0.1', port: 0 })
+      try {
+        const gzip = 'Accept-Encoding: gzip\r\n'
+        for (const name of Object.keys(answers)) {
+          for (const [firstCoding, retryCoding] of [[gzip, gzip], [gzip, ''], ['', gzip], ['', '']]) {
+            const key = newKey()
+            const before = ran
+            const first = await head(url, `/guarded/${name}`, key, firstCoding)
+            const retry = await head(url, `/guarded/${name}`, key, retryCoding)
+            const plain = await head(url, `/plain/${name}`, undefined, firstCoding)
+            const label = `${name}, first ${JSON.stringify(firstCoding)}, retry ${JSON.stringify(retryCoding)}`
+            expect(ran - before, label).toBe(2)
+            expect(retry.toString('latin1'), label).toMatch(/\r\nidempotent-replayed: true(\r\n|$)/)
+            expect(lines(first).get('content-disposition'), label).toEqual(lines(plain).get('content-disposition'))
+            expect(lines(retry).get('content-disposition')?.toString('hex'), label).toBe(lines(first).get('content-disposition')?.toString('hex'))
+          }
+        }
+      } finally {
+        await app.close()
+      }
+    })
+  }
 })

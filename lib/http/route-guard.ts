@@ -145,6 +145,13 @@ function guard (registration: Registration, route: Route, name: string, url: str
  * by the order of registration (docs/headers.md).
  */
 function placeLast (route: Route, hooks: RouteHooks): void {
+  // When onSend hooks of the route run after the plugin's, the last one settles what needs to see
+  // the payload Fastify sends (how the head goes out, head-bytes.ts).
+  const sends = hookList(route, 'onSend')
+  const others = sends.filter((hook) => hook !== hooks.finalOnSend)
+  const later = others[others.length - 1] !== hooks.onSend
+  hooks.laterOnSend(later)
+  if (later || others.length !== sends.length) (route as Record<HookName, unknown>).onSend = later ? [...others, hooks.finalOnSend] : others
   for (const name of ['onRequest', 'preValidation', 'preHandler'] as const) {
     const existing = hookList(route, name)
     const others = existing.filter((hook) => hook !== hooks[name])
@@ -173,7 +180,7 @@ function unguard (route: Route, { registration, hooks }: Guard): void {
   recordDocumentation(route, null)
   for (const name of ['onRequest', 'preValidation', 'preHandler', 'onSend', 'onError'] as const) {
     const existing = hookList(route, name)
-    const kept = existing.filter((hook) => hook !== hooks[name])
+    const kept = existing.filter((hook) => hook !== hooks[name] && hook !== hooks.finalOnSend)
     if (kept.length !== existing.length) (route as Record<HookName, unknown>)[name] = kept
   }
 }

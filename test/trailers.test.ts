@@ -1,0 +1,151 @@
+/**
+ * Trailers (`reply.trailer()`), over real HTTP on every store: a replay sends the trailers the first
+ * answer sent, with the values computed then, whatever the body (a string, a Buffer, a stream) and
+ * whether the trailer function answers through a promise or a callback. Read with node:http's
+ * `res.trailers`, and over HTTP/2 with the stream's 'trailers' event.
+ */
+import { describe, expect, it } from 'vitest'
+import { request as httpRequest, type IncomingHttpHeaders } from 'node:http'
+import { connect as connectHttp2 } from 'node:http2'
+import { Readable } from 'node:stream'
+import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify'
+import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
+import type { IdempotencyStorage } from '../lib/storage/types.js'
+import { newKey } from './helpers/app.js'
+import { servedOn } from './helpers/served.js'
+import { storeCases } from './helpers/stores.js'
+
+const cases = await storeCases()
+
+interface Answer { status: number, headers: IncomingHttpHeaders, body: string, trailers: NodeJS.Dict<string> }
+
+/** A POST over node:http, its body read to the end, and its trailers. */
+async function post (url: string, path: string, key?: string): Promise<Answer> {
+  const { hostname, port } = new URL(url)
+  return await new Promise((resolve, reject) => {
+    const req = httpRequest({ host: hostname, port, path, method: 'POST', headers: { 'content-type': 'application/json', ...(key === undefined ? {} : { 'idempotency-key': key }) } }, (res) => {
+      const chunks: Buffer[] = []
+      res.on('data', (chunk: Buffer) => chunks.push(chunk))
+      res.on('end', () => { resolve({ status: res.statusCode ?? 0, headers: res.headers, body: Buffer.concat(chunks).toString(), trailers: res.trailers }) })
+    })
+    req.on('error', reject)
+    req.end('{"sku":"A1"}')
+  })
+}
+
+/** Each computation of a trailer gives a new value: a replay must carry the first one's. */
+let computed = 0
+let ran = 0
+
+/** What each route answers, and how its trailer is computed. */
+const ROUTES: Record<string, (reply: FastifyReply) => unknown> = {
+  string: (reply) => {
+    reply.trailer('x-checksum', async () => `sum-${++computed}`)
+    return 'name,price\ncafé,4\n'
+  },
+  buffer: (reply) => {
+    reply.trailer('x-checksum', (_reply, _payload, done) => { done(null, `sum-${++computed}`) })
+    return Buffer.from('name,price\n')
+  },
+  json: (reply) => {
+    reply.trailer('x-checksum', async () => `sum-${++computed}`).trailer('server-timing', async () => `db;dur=${++computed}`)
+    return { sku: 'A1' }
+  },
+  // Computed from what was streamed, as a checksum trailer is.
+  stream: (reply) => {
+    let bytes = 0
+    async function * lines (): AsyncGenerator<Buffer> {
+      for (const line of ['id,amount\n', '1,100\n', '2,200\n']) {
+        bytes += line.length
+        yield Buffer.from(line)
+      }
+    }
+    reply.trailer('x-checksum', async () => `bytes-${bytes}-${++computed}`)
+    return Readable.from(lines())
+  }
+}
+
+async function build (storage: IdempotencyStorage): Promise<{ app: FastifyInstance }> {
+  const app = Fastify()
+  await app.register(idempotency, { storage })
+  app.setErrorHandler(idempotencyErrorHandler())
+  for (const [name, answer] of Object.entries(ROUTES)) {
+    const handler = async (_request: unknown, reply: FastifyReply) => {
+      ran++
+      reply.code(201)
+      return answer(reply)
+    }
+    app.post(`/guarded/${name}`, { config: { idempotency: true } }, handler)
+    app.post(`/plain/${name}`, handler)
+  }
+  return { app }
+}
+
+for (const store of cases) {
+  describe.skipIf(!store.available)(`trailers, on ${store.name}${store.reason}`, () => {
+    const served = servedOn(store, build)
+
+    for (const name of Object.keys(ROUTES)) {
+      it(`a ${name} body: the replay sends the first answer's trailers, with the values computed then`, async () => {
+        const key = newKey()
+        const before = ran
+        const plain = await post(served.url, `/plain/${name}`)
+        const first = await post(served.url, `/guarded/${name}`, key)
+        const retry = await post(served.url, `/guarded/${name}`, key)
+        expect(ran - before).toBe(2)
+        expect(first.status).toBe(201)
+        // The first answer is the plugin-less one: its trailers, announced in `Trailer`.
+        expect(Object.keys(first.trailers).sort()).toEqual(Object.keys(plain.trailers).sort())
+        expect(first.headers.trailer).toBe(plain.headers.trailer)
+        expect(first.trailers['x-checksum']).toBeDefined()
+        expect(first.body).toBe(plain.body)
+        expect(first.body.length).toBeGreaterThan(0)
+        expect(retry.headers['idempotent-replayed']).toBe('true')
+        expect(retry.status).toBe(201)
+        expect(retry.body).toBe(first.body)
+        expect(retry.headers.trailer).toBe(first.headers.trailer)
+        expect(retry.trailers).toEqual(first.trailers)
+      })
+    }
+  })
+}
+
+describe('trailers over HTTP/2 (memory)', () => {
+  it('the replay sends the first answer\'s trailers', async () => {
+    const app = Fastify({ http2: true }) as unknown as FastifyInstance
+    await app.register(idempotency)
+    app.setErrorHandler(idempotencyErrorHandler())
+    let n = 0
+    app.post('/trailed', { config: { idempotency: true } }, async (_request, reply) => {
+      reply.code(201).trailer('x-checksum', async () => `sum-${++n}`)
+      return 'body'
+    })
+    const address = await app.listen({ host: '127.0.0.1', port: 0 })
+    const session = connectHttp2(address)
+    const send = async (key: string): Promise<{ headers: Record<string, unknown>, trailers: Record<string, unknown>, body: string }> => await new Promise((resolve, reject) => {
+      const stream = session.request({ ':method': 'POST', ':path': '/trailed', 'idempotency-key': key })
+      let headers: Record<string, unknown> = {}
+      let trailers: Record<string, unknown> = {}
+      const chunks: Buffer[] = []
+      stream.on('response', (h) => { headers = h })
+      stream.on('trailers', (t) => { trailers = t })
+      stream.on('data', (chunk: Buffer) => chunks.push(chunk))
+      stream.on('end', () => { resolve({ headers, trailers, body: Buffer.concat(chunks).toString() }) })
+      stream.on('error', reject)
+      stream.end()
+    })
+    try {
+      const key = newKey()
+      const first = await send(key)
+      const retry = await send(key)
+      expect(first.trailers['x-checksum']).toBe('sum-1')
+      expect(retry.headers['idempotent-replayed']).toBe('true')
+      expect(retry.body).toBe(first.body)
+      expect(retry.trailers['x-checksum']).toBe('sum-1')
+      expect(n).toBe(1)
+    } finally {
+      session.close()
+      await app.close()
+    }
+  })
+})
