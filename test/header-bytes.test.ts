@@ -188,50 +188,56 @@ describe('header bytes of a replay over HTTP/2 (memory)', () => {
   })
 })
 
-describe('header bytes of a replay beside @fastify/compress (memory)', () => {
-  for (const order of ['before', 'after'] as const) {
-    it(`registered ${order} the plugin: every retry's head carries the first answer's bytes, compressed or not, and the first answer is the plugin-less one`, async () => {
-      const app = Fastify()
-      if (order === 'before') await app.register(compress, { encodings: ['gzip'] })
-      await app.register(idempotency)
-      if (order === 'after') await app.register(compress, { encodings: ['gzip'] })
-      app.setErrorHandler(idempotencyErrorHandler())
-      let ran = 0
-      const answers: Record<string, (reply: FastifyReply) => unknown> = {
+// Cases of their own: a case's store is dropped once its describe is done.
+for (const store of await storeCases()) {
+  describe.skipIf(!store.available)(`header bytes of a replay beside @fastify/compress, on ${store.name}${store.reason}`, () => {
+    let storage: IdempotencyStorage
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
+    for (const order of ['before', 'after'] as const) {
+      it(`registered ${order} the plugin: every retry's head carries the first answer's bytes, compressed or not, and the first answer is the plugin-less one`, async () => {
+        const app = Fastify()
+        if (order === 'before') await app.register(compress, { encodings: ['gzip'] })
+        await app.register(idempotency, { storage })
+        if (order === 'after') await app.register(compress, { encodings: ['gzip'] })
+        app.setErrorHandler(idempotencyErrorHandler())
+        let ran = 0
+        const answers: Record<string, (reply: FastifyReply) => unknown> = {
         // Over @fastify/compress's threshold (1024 bytes): compressed for a client that accepts gzip.
-        large: () => ({ rows: 'café,4\n'.repeat(300) }),
-        small: () => ({ name: 'café' }),
-        empty: (reply) => { reply.code(204); return 'dropped' }
-      }
-      for (const [name, body] of Object.entries(answers)) {
-        const handler = async (_request: unknown, reply: FastifyReply) => {
-          ran++
-          reply.code(201).header('content-disposition', DISPOSITION)
-          return body(reply)
+          large: () => ({ rows: 'café,4\n'.repeat(300) }),
+          small: () => ({ name: 'café' }),
+          empty: (reply) => { reply.code(204); return 'dropped' }
         }
-        app.post(`/guarded/${name}`, { config: { idempotency: true } }, handler)
-        app.post(`/plain/${name}`, handler)
-      }
-      const url = await app.listen({ host: '127.0.0.1', port: 0 })
-      try {
-        const gzip = 'Accept-Encoding: gzip\r\n'
-        for (const name of Object.keys(answers)) {
-          for (const [firstCoding, retryCoding] of [[gzip, gzip], [gzip, ''], ['', gzip], ['', '']]) {
-            const key = newKey()
-            const before = ran
-            const first = await head(url, `/guarded/${name}`, key, firstCoding)
-            const retry = await head(url, `/guarded/${name}`, key, retryCoding)
-            const plain = await head(url, `/plain/${name}`, undefined, firstCoding)
-            const label = `${name}, first ${JSON.stringify(firstCoding)}, retry ${JSON.stringify(retryCoding)}`
-            expect(ran - before, label).toBe(2)
-            expect(retry.toString('latin1'), label).toMatch(/\r\nidempotent-replayed: true(\r\n|$)/)
-            expect(lines(first).get('content-disposition'), label).toEqual(lines(plain).get('content-disposition'))
-            expect(lines(retry).get('content-disposition')?.toString('hex'), label).toBe(lines(first).get('content-disposition')?.toString('hex'))
+        for (const [name, body] of Object.entries(answers)) {
+          const handler = async (_request: unknown, reply: FastifyReply) => {
+            ran++
+            reply.code(201).header('content-disposition', DISPOSITION)
+            return body(reply)
           }
+          app.post(`/guarded/${name}`, { config: { idempotency: true } }, handler)
+          app.post(`/plain/${name}`, handler)
         }
-      } finally {
-        await app.close()
-      }
-    })
-  }
-})
+        const url = await app.listen({ host: '127.0.0.1', port: 0 })
+        try {
+          const gzip = 'Accept-Encoding: gzip\r\n'
+          for (const name of Object.keys(answers)) {
+            for (const [firstCoding, retryCoding] of [[gzip, gzip], [gzip, ''], ['', gzip], ['', '']]) {
+              const key = newKey()
+              const before = ran
+              const first = await head(url, `/guarded/${name}`, key, firstCoding)
+              const retry = await head(url, `/guarded/${name}`, key, retryCoding)
+              const plain = await head(url, `/plain/${name}`, undefined, firstCoding)
+              const label = `${name}, first ${JSON.stringify(firstCoding)}, retry ${JSON.stringify(retryCoding)}`
+              expect(ran - before, label).toBe(2)
+              expect(retry.toString('latin1'), label).toMatch(/\r\nidempotent-replayed: true(\r\n|$)/)
+              expect(lines(first).get('content-disposition'), label).toEqual(lines(plain).get('content-disposition'))
+              expect(lines(retry).get('content-disposition')?.toString('hex'), label).toBe(lines(first).get('content-disposition')?.toString('hex'))
+            }
+          }
+        } finally {
+          await app.close()
+        }
+      })
+    }
+  })
+}

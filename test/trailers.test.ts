@@ -4,7 +4,7 @@
  * whether the trailer function answers through a promise or a callback. Read with node:http's
  * `res.trailers`, and over HTTP/2 with the stream's 'trailers' event.
  */
-import { describe, expect, it } from 'vitest'
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest'
 import { request as httpRequest, type IncomingHttpHeaders } from 'node:http'
 import { connect as connectHttp2 } from 'node:http2'
 import { Readable } from 'node:stream'
@@ -27,6 +27,7 @@ async function post (url: string, path: string, key?: string): Promise<Answer> {
       const chunks: Buffer[] = []
       res.on('data', (chunk: Buffer) => chunks.push(chunk))
       res.on('end', () => { resolve({ status: res.statusCode ?? 0, headers: res.headers, body: Buffer.concat(chunks).toString(), trailers: res.trailers }) })
+      res.on('error', reject)
     })
     req.on('error', reject)
     req.end('{"sku":"A1"}')
@@ -147,5 +148,132 @@ describe('trailers over HTTP/2 (memory)', () => {
       session.close()
       await app.close()
     }
+  })
+})
+
+describe('trailers that fail, that are taken away, that a retry sets itself, of a stream that fails or whose client leaves (memory)', () => {
+  let app: FastifyInstance
+  let url: string
+  let runs = 0
+  let release!: () => void
+  let failing = false
+  beforeAll(async () => {
+    app = Fastify()
+    await app.register(idempotency)
+    app.setErrorHandler(idempotencyErrorHandler())
+    // The retry's own trailer, set by the app's hook on every request: the replay keeps it.
+    app.addHook('onRequest', async (request, reply) => {
+      if (request.headers['x-own-trailer'] !== undefined) reply.trailer('x-own', async () => String(request.headers['x-own-trailer']))
+    })
+    app.post('/failing', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      reply.code(201)
+        .trailer('x-ok', async () => `ok-${runs}`)
+        .trailer('x-rejected', async () => { throw new Error('no checksum') })
+        .trailer('x-callback-error', (_reply, _payload, done) => { done(new Error('no digest')) })
+        .trailer('x-nothing', async () => undefined)
+        .trailer('x-own', async () => 'the first answer\'s')
+      return 'body'
+    })
+    app.post('/removed', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      reply.code(201).trailer('x-checksum', async () => 'never sent').removeTrailer('x-checksum')
+      return `removed ${runs}`
+    })
+    app.post('/stream', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      const opened = new Promise<void>((resolve) => { release = resolve })
+      async function * lines (): AsyncGenerator<string> {
+        yield 'first\n'
+        await opened
+        if (failing) throw new Error('the export failed half-way')
+        yield 'rest\n'
+      }
+      reply.code(201).trailer('x-checksum', async () => `stream-${runs}`)
+      return Readable.from(lines())
+    })
+    url = await app.listen({ host: '127.0.0.1', port: 0 })
+  })
+  afterAll(async () => { await app.close() })
+
+  it('a trailer whose function fails or throws is not sent, and not replayed; the others are, as Fastify sent them', async () => {
+    const key = newKey()
+    const first = await post(url, '/failing', key)
+    const retry = await post(url, '/failing', key)
+    // Fastify sends a value of undefined as the text 'undefined'.
+    expect(first.trailers).toEqual({ 'x-ok': 'ok-1', 'x-nothing': 'undefined', 'x-own': 'the first answer\'s' })
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(retry.trailers).toEqual(first.trailers)
+  })
+
+  it("a trailer the retry's own hooks set is the retry's", async () => {
+    const key = newKey()
+    const first = await post(url, '/failing', key)
+    const retry = await new Promise<Answer>((resolve, reject) => {
+      const { port } = new URL(url)
+      const req = httpRequest({ host: '127.0.0.1', port, path: '/failing', method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key, 'x-own-trailer': 'the retry\'s' } }, (res) => {
+        res.resume()
+        res.on('end', () => { resolve({ status: res.statusCode ?? 0, headers: res.headers, body: '', trailers: res.trailers }) })
+      })
+      req.on('error', reject)
+      req.end('{"sku":"A1"}')
+    })
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(retry.trailers).toEqual({ ...first.trailers, 'x-own': 'the retry\'s' })
+  })
+
+  it('a trailer taken away (removeTrailer): the response has none, and is stored at once', async () => {
+    const key = newKey()
+    const first = await post(url, '/removed', key)
+    const retry = await post(url, '/removed', key)
+    expect(first.headers.trailer).toBeUndefined()
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(retry.body).toBe(first.body)
+    expect(retry.trailers).toEqual({})
+  })
+
+  it('a stream with trailers that fails: the key is given back, and a retry runs', async () => {
+    failing = true
+    try {
+      const key = newKey()
+      const before = runs
+      const first = post(url, '/stream', key).catch((error: Error) => error)
+      await vi.waitFor(() => { expect(runs).toBe(before + 1) })
+      release()
+      await first
+      failing = false
+      const again = post(url, '/stream', key)
+      await vi.waitFor(() => { expect(runs).toBe(before + 2) })
+      release()
+      const answer = await again
+      expect(answer.headers['idempotent-replayed']).toBeUndefined()
+      expect(answer.trailers).toEqual({ 'x-checksum': `stream-${before + 2}` })
+    } finally {
+      failing = false
+    }
+  })
+
+  it('a stream with trailers whose client leaves before its end: read to its end and kept without trailers (none was sent)', async () => {
+    const key = newKey()
+    const before = runs
+    const { port } = new URL(url)
+    await new Promise<void>((resolve, reject) => {
+      const req = httpRequest({ host: '127.0.0.1', port, path: '/stream', method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key } }, (res) => {
+        res.once('data', () => { req.destroy(); resolve() })
+      })
+      req.on('error', () => {})
+      req.on('close', () => { resolve() })
+      req.end('{"sku":"A1"}')
+      setTimeout(() => { reject(new Error('no first chunk')) }, 5000).unref()
+    })
+    release()
+    const retry = await vi.waitFor(async () => {
+      const answer = await post(url, '/stream', key)
+      expect(answer.status).toBe(201)
+      return answer
+    })
+    expect(runs).toBe(before + 1)
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(retry.body).toBe('first\nrest\n')
   })
 })

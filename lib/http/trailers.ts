@@ -73,7 +73,8 @@ export function collectTrailers (reply: FastifyReply, trailers: Trailers): Colle
       const answer = (error: Error | null, value?: unknown): void => {
         if (called) return
         called = true
-        if (error === null && value !== undefined && value !== null) values[name] = String(value)
+        // As Fastify sends it: a value whose function did not fail, as text ('undefined' included).
+        if (error === null || error === undefined) values[name] = String(value)
         releases.push(() => { done(error, value) })
         answered()
       }
@@ -81,8 +82,10 @@ export function collectTrailers (reply: FastifyReply, trailers: Trailers): Colle
       try {
         result = original(current, payload, answer)
       } catch (error) {
+        // Fastify's own handling of a function that throws (the response is cut) is kept; the
+        // trailer only no longer holds the settle back.
         answer(error as Error)
-        return
+        throw error
       }
       if (typeof result === 'object' && result !== null && typeof (result as Promise<unknown>).then === 'function') {
         (result as Promise<unknown>).then((value) => { answer(null, value) }, (error: Error) => { answer(error) })
