@@ -163,6 +163,30 @@ describe('header bytes of a replay, in the other ways an answer goes out (memory
 })
 
 describe('header bytes of a replay over HTTP/2 (memory)', () => {
+  it('with @fastify/compress registered after the plugin: the retry gets the header as the first answer had it, compressed or not', async () => {
+    const app = Fastify({ http2: true }) as unknown as FastifyInstance
+    await app.register(idempotency)
+    await app.register(compress, { encodings: ['gzip'] })
+    app.setErrorHandler(idempotencyErrorHandler())
+    app.post('/large', { config: { idempotency: true } }, async (_request, reply) => { reply.header('content-disposition', DISPOSITION); return { rows: 'café,4\n'.repeat(300) } })
+    const address = await app.listen({ host: '127.0.0.1', port: 0 })
+    const session = connectHttp2(address)
+    try {
+      for (const coding of [{ 'accept-encoding': 'gzip' }, {}] as Array<Record<string, string>>) {
+        const key = newKey()
+        const first = await http2Post(session, '/large', { 'idempotency-key': key, ...coding }, '')
+        const retry = await http2Post(session, '/large', { 'idempotency-key': key, ...coding }, '')
+        const disposition = (answer: Http2Answer) => answer.headers.find(([name]) => name === 'content-disposition')?.[1]
+        expect(retry.headers).toContainEqual(['idempotent-replayed', 'true'])
+        expect(disposition(first)).toBe(DISPOSITION)
+        expect(disposition(retry)).toBe(DISPOSITION)
+      }
+    } finally {
+      session.close()
+      await app.close()
+    }
+  })
+
   it('the retry gets the header as the first answer had it, for a string and a Buffer body', async () => {
     const app = Fastify({ http2: true }) as unknown as FastifyInstance
     await app.register(idempotency)
@@ -217,8 +241,28 @@ for (const store of await storeCases()) {
           app.post(`/guarded/${name}`, { config: { idempotency: true } }, handler)
           app.post(`/plain/${name}`, handler)
         }
+        // A body over maxResponseBytes, on a route that frees the key for it: the retry runs again.
+        let released = 0
+        app.post('/guarded/released', { config: { idempotency: { maxResponseBytes: 16, unstorableResponse: 'release' } } }, async (_request, reply) => {
+          released++
+          reply.code(201).header('content-disposition', DISPOSITION)
+          return { rows: 'café,4\n'.repeat(300) }
+        })
+        // A header with several values.
+        app.post('/guarded/values', { config: { idempotency: true } }, async (_request, reply) => {
+          reply.code(201).header('x-labels', [LABEL, 'plain'])
+          return { name: 'café' }
+        })
         const url = await app.listen({ host: '127.0.0.1', port: 0 })
         try {
+          const releasedKey = newKey()
+          await head(url, '/guarded/released', releasedKey, 'Accept-Encoding: gzip\r\n')
+          await head(url, '/guarded/released', releasedKey, 'Accept-Encoding: gzip\r\n')
+          expect(released).toBe(2)
+          const valuesKey = newKey()
+          const [firstValues, retryValues] = [await head(url, '/guarded/values', valuesKey), await head(url, '/guarded/values', valuesKey)]
+          expect(retryValues.toString('latin1')).toMatch(/\r\nidempotent-replayed: true(\r\n|$)/)
+          expect(lines(retryValues).get('x-labels')?.toString('hex')).toBe(lines(firstValues).get('x-labels')?.toString('hex'))
           const gzip = 'Accept-Encoding: gzip\r\n'
           for (const name of Object.keys(answers)) {
             for (const [firstCoding, retryCoding] of [[gzip, gzip], [gzip, ''], ['', gzip], ['', '']]) {

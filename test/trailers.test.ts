@@ -175,6 +175,11 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
         .trailer('x-own', async () => 'the first answer\'s')
       return 'body'
     })
+    app.post('/throwing', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      reply.code(201).trailer('x-ok', async () => `ok-${runs}`).trailer('x-thrown', () => { throw new Error('thrown') })
+      return 'thrown'
+    })
     app.post('/removed', { config: { idempotency: true } }, async (_request, reply) => {
       runs++
       reply.code(201).trailer('x-checksum', async () => 'never sent').removeTrailer('x-checksum')
@@ -204,6 +209,21 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
     expect(first.trailers).toEqual({ 'x-ok': 'ok-1', 'x-nothing': 'undefined', 'x-own': 'the first answer\'s' })
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.trailers).toEqual(first.trailers)
+  })
+
+  it('a trailer function that throws: the response is cut as without the plugin, and kept (the handler answered) without that trailer', async () => {
+    const key = newKey()
+    const before = runs
+    await expect(post(url, '/throwing', key)).rejects.toThrow()
+    const retry = await vi.waitFor(async () => {
+      const answer = await post(url, '/throwing', key)
+      expect(answer.status).toBe(201)
+      return answer
+    })
+    expect(runs).toBe(before + 1)
+    expect(retry.headers['idempotent-replayed']).toBe('true')
+    expect(retry.body).toBe('thrown')
+    expect(retry.trailers['x-thrown']).toBeUndefined()
   })
 
   it("a trailer the retry's own hooks set is the retry's", async () => {

@@ -82,10 +82,16 @@ export function collectTrailers (reply: FastifyReply, trailers: Trailers): Colle
       try {
         result = original(current, payload, answer)
       } catch (error) {
-        // Fastify's own handling of a function that throws (the response is cut) is kept; the
-        // trailer only no longer holds the settle back.
-        answer(error as Error)
-        throw error
+        // Without the plugin, the throw leaves the response unended and Fastify cuts it: so here,
+        // where it would not reach Fastify (the plugin hands its payload on). The handler answered:
+        // the response is kept with the trailers that were answered.
+        current.log.error({ err: error }, `fastify-idempotency: the function of trailer ${name} threw: the response is cut`)
+        if (!called) {
+          called = true
+          answered()
+        }
+        current.raw.destroy(error as Error)
+        return
       }
       if (typeof result === 'object' && result !== null && typeof (result as Promise<unknown>).then === 'function') {
         (result as Promise<unknown>).then((value) => { answer(null, value) }, (error: Error) => { answer(error) })
