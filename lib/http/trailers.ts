@@ -9,8 +9,8 @@
  * its trailers were asked for (its client left mid-stream) is settled with those it has.
  *
  * The values are kept among the stored headers under `:trailer:<name>`: a name no header can have
- * (a colon starts only HTTP/2's pseudo-headers, never stored), which every store keeps as it keeps
- * the headers, and which a version of the plugin that knows nothing of trailers skips on replay.
+ * (a colon starts only HTTP/2's pseudo-headers, never stored as headers), which every store keeps
+ * as it keeps the headers, with no change to its layout.
  * Fastify has no public way to list a reply's trailers: they are its `fastify.reply.trailers` field.
  */
 import type { FastifyReply } from 'fastify'
