@@ -180,6 +180,18 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
       reply.code(201).trailer('x-ok', async () => `ok-${runs}`).trailer('x-thrown', () => { throw new Error('thrown') })
       return 'thrown'
     })
+    // One trailer taken away beside one whose callback is called twice, and a route whose only trailer fails.
+    app.post('/mixed', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      reply.code(201).trailer('x-gone', async () => 'never sent').removeTrailer('x-gone')
+        .trailer('x-twice', (_reply, _payload, done) => { done(null, `first-${runs}`); done(null, 'second') })
+      return 'mixed'
+    })
+    app.post('/none', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      reply.code(201).trailer('x-rejected', async () => { throw new Error('no checksum') })
+      return 'none'
+    })
     app.post('/removed', { config: { idempotency: true } }, async (_request, reply) => {
       runs++
       reply.code(201).trailer('x-checksum', async () => 'never sent').removeTrailer('x-checksum')
@@ -224,6 +236,17 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.body).toBe('thrown')
     expect(retry.trailers['x-thrown']).toBeUndefined()
+  })
+
+  it('a trailer taken away beside one whose callback is called twice, and a route whose only trailer fails: replayed as sent', async () => {
+    for (const path of ['/mixed', '/none']) {
+      const key = newKey()
+      const first = await post(url, path, key)
+      const retry = await post(url, path, key)
+      expect(retry.headers['idempotent-replayed'], path).toBe('true')
+      expect(retry.body, path).toBe(first.body)
+      expect(retry.trailers, path).toEqual(first.trailers)
+    }
   })
 
   it("a trailer the retry's own hooks set is the retry's", async () => {
