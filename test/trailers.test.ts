@@ -180,6 +180,19 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
       reply.code(201).trailer('x-ok', async () => `ok-${runs}`).trailer('x-thrown', () => { throw new Error('thrown') })
       return 'thrown'
     })
+    // An onSend hook that runs after the plugin's (added by an onRoute hook after it) replaces a trailer.
+    app.addHook('onRoute', (route) => {
+      if (route.url !== '/replaced') return
+      route.onSend = [...(route.onSend === undefined ? [] : Array.isArray(route.onSend) ? route.onSend : [route.onSend]), async (_request, reply, payload) => {
+        reply.trailer('x-checksum', async () => 'replaced')
+        return payload
+      }]
+    })
+    app.post('/replaced', { config: { idempotency: true } }, async (_request, reply) => {
+      runs++
+      reply.code(201).trailer('x-checksum', async () => 'original').trailer('x-other', async () => 'other')
+      return 'replaced'
+    })
     // One trailer taken away beside one whose callback is called twice, and a route whose only trailer fails.
     app.post('/mixed', { config: { idempotency: true } }, async (_request, reply) => {
       runs++
@@ -238,8 +251,8 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
     expect(retry.trailers['x-thrown']).toBeUndefined()
   })
 
-  it('a trailer taken away beside one whose callback is called twice, and a route whose only trailer fails: replayed as sent', async () => {
-    for (const path of ['/mixed', '/none']) {
+  it('a trailer taken away beside one whose callback is called twice, a route whose only trailer fails, a trailer replaced by a later onSend hook: replayed as sent', async () => {
+    for (const path of ['/mixed', '/none', '/replaced']) {
       const key = newKey()
       const first = await post(url, path, key)
       const retry = await post(url, path, key)

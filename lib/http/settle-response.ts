@@ -95,6 +95,8 @@ function afterTrailers (reply: FastifyReply, http: HttpRequestState, trailers: N
     await end(reply, http, known.kind === 'store' ? { ...known, response: withTrailers(known.response, await collected.values) } : known, 'stream')
   })
   collected.holdUntil(settled)
+  // Settling reports its own failures; one that escapes it must still not go unhandled.
+  settled.catch((error: unknown) => { reply.log.error({ err: error }, 'fastify-idempotency: settling a response with trailers failed') })
 }
 
 /** `value` once `settled` has settled: at once when it has. */

@@ -64,11 +64,22 @@ export function collectTrailers (reply: FastifyReply, trailers: Trailers): Colle
     resolveValues(values)
     gate.then(release, release)
   }
+  // Fastify calls every trailer function in one loop. One of ours it did not call by the end of
+  // that loop was replaced or taken away after this plugin's onSend (by a later hook): none of its
+  // answer is waited for.
+  const wrapped = new Set<string>()
+  const asked = new Set<string>()
+  const loopEnded = (): void => {
+    for (const name of wrapped) if (!asked.has(name)) answered()
+  }
   for (const name of Object.keys(trailers)) {
     const original = trailers[name]
     if (typeof original !== 'function') continue
     waiting++
+    wrapped.add(name)
     trailers[name] = (current, payload, done) => {
+      if (asked.size === 0) process.nextTick(loopEnded)
+      asked.add(name)
       let called = false
       const answer = (error: Error | null, value?: unknown): void => {
         if (called) return
