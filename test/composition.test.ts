@@ -372,3 +372,105 @@ describe('@fastify/multipart under every fingerprint option, each attempt with a
     }
   }
 })
+
+/** The app's authentication: a request without `authorization: Bearer ok` is refused 401 before anything else answers it. */
+function authenticate (request: FastifyRequest, reply: FastifyReply, done: () => void): void {
+  if (request.headers.authorization === 'Bearer ok') {
+    done()
+    return
+  }
+  void reply.code(401).send({ error: 'unauthenticated' })
+}
+
+type Stage = 'onRequest' | 'preValidation' | 'preHandler'
+
+/** A route hook option with `hook` added last, as an app's onRoute hook adds one. */
+function withAuth (route: RouteOptions, stage: Stage): void {
+  if (route.method !== 'POST') return
+  const existing = route[stage]
+  route[stage] = [...(existing === undefined ? [] : Array.isArray(existing) ? existing : [existing]), authenticate] as never
+}
+
+/** A POST with or without the app's credentials. */
+function authed (signedIn: boolean): Send {
+  return async (url, key, sku) => await answer(await fetch(url, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...(signedIn ? { authorization: 'Bearer ok' } : {}), ...(key === undefined ? {} : { 'idempotency-key': key }) },
+    body: JSON.stringify({ sku })
+  }))
+}
+
+/**
+ * The app's authentication runs before the plugin answers, whatever attached it and in whichever
+ * order: no stored answer, no lease, no refusal of the plugin reaches a request it refuses.
+ */
+async function expectAuthenticatedFirst (url: string, path: string): Promise<void> {
+  const before = ran(path)
+  const key = newKey()
+  const first = await authed(true)(url, key, 'A1')
+  expect(first.status, first.body).toBe(201)
+  // Not the stored answer: the app refuses the request first.
+  const stranger = await authed(false)(url, key, 'A1')
+  expect(stranger.status, stranger.body).toBe(401)
+  expect(stranger.replayed).toBe(false)
+  // Not the plugin's 409 (another body) nor its 400 (no key) either.
+  expect((await authed(false)(url, key, 'B2')).status).toBe(401)
+  expect((await authed(false)(url, undefined, 'A1')).status).toBe(401)
+  // A new key sent without credentials takes no lease: its owner then runs it.
+  const fresh = newKey()
+  expect((await authed(false)(url, fresh, 'A1')).status).toBe(401)
+  expect((await authed(true)(url, fresh, 'A1')).replayed).toBe(false)
+  expect((await authed(true)(url, key, 'A1')).replayed).toBe(true)
+  expect(ran(path) - before).toBe(2)
+}
+
+describe("the app's own hooks run before the plugin answers, whatever the order they were added in", () => {
+  for (const stage of ['onRequest', 'preValidation', 'preHandler'] as const) {
+    for (const when of ['an onRoute hook added before the plugin', 'an onRoute hook added after the plugin', 'a fastify-plugin plugin registered after the plugin', 'the route options'] as const) {
+      it(`${stage}, from ${when}`, async () => {
+        const app = newApp()
+        const attach = (route: RouteOptions): void => { withAuth(route, stage) }
+        if (when === 'an onRoute hook added before the plugin') app.addHook('onRoute', attach)
+        await withPlugin(app)
+        if (when === 'an onRoute hook added after the plugin') app.addHook('onRoute', attach)
+        if (when === 'a fastify-plugin plugin registered after the plugin') await app.register(fp(async (instance) => { instance.addHook('onRoute', attach) }))
+        const path = `/auth/${stage}/${when.replaceAll(' ', '-')}`
+        app.post(path, { config: { idempotency: { required: true } }, schema: { body: strips({ sku: { type: 'string' } }) }, ...(when === 'the route options' ? { [stage]: authenticate } : {}) }, order(path))
+        await expectAuthenticatedFirst(`${await listen(app)}${path}`, path)
+      })
+    }
+  }
+})
+
+/** A body schema under Fastify's default Ajv options: it strips `note`, fills in `qty`, coerces `qty` to a number. */
+const ORDER_BODY = { type: 'object', additionalProperties: false, required: ['sku'], properties: { sku: { type: 'string' }, qty: { type: 'integer', default: 1 } } }
+
+describe('a body schema set by an onRoute hook: the fingerprint is the body as it arrived, whatever set the schema', () => {
+  for (const when of ['the route options', 'an onRoute hook added before the plugin', 'an onRoute hook added after the plugin', 'a fastify-plugin plugin registered after the plugin'] as const) {
+    it(`from ${when}: bodies that validation makes the same are different requests`, async () => {
+      const app = newApp()
+      const attach = (route: RouteOptions): void => { if (route.method === 'POST') route.schema = { ...route.schema, body: ORDER_BODY } }
+      if (when === 'an onRoute hook added before the plugin') app.addHook('onRoute', attach)
+      await withPlugin(app)
+      if (when === 'an onRoute hook added after the plugin') app.addHook('onRoute', attach)
+      if (when === 'a fastify-plugin plugin registered after the plugin') await app.register(fp(async (instance) => { instance.addHook('onRoute', attach) }))
+      const path = `/schema/${when.replaceAll(' ', '-')}`
+      app.post(path, { config: { idempotency: true }, ...(when === 'the route options' ? { schema: { body: ORDER_BODY } } : {}) }, async (request, reply) => {
+        runs.set(path, ran(path) + 1)
+        return await reply.code(201).send({ id: ran(path), body: request.body })
+      })
+      const url = `${await listen(app)}${path}`
+      const send = async (key: string, body: object): Promise<Answer> => await answer(await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify(body) }))
+      for (const [sent, same] of [[{ sku: 'A1', note: 'gift' }, { sku: 'A1' }], [{ sku: 'A1', qty: '2' }, { sku: 'A1', qty: 2 }], [{ sku: 'A1' }, { sku: 'A1', qty: 1 }]] as const) {
+        const key = newKey()
+        const first = await send(key, sent)
+        expect(first.status, first.body).toBe(201)
+        // Validation made the handler see the other body; the fingerprint did not.
+        expect(JSON.parse(first.body).body).toEqual({ qty: 1, ...same })
+        expect((await send(key, sent)).replayed).toBe(true)
+        expectProblem(await send(key, same), IdempotencyFingerprintMismatchError, 409, key)
+      }
+      expect(ran(path)).toBe(3)
+    })
+  }
+})

@@ -12,6 +12,7 @@ import { connect } from 'node:net'
 import { connect as connectHttp2 } from 'node:http2'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify'
+import compress from '@fastify/compress'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
@@ -51,13 +52,13 @@ async function build (storage: IdempotencyStorage): Promise<{ app: FastifyInstan
 }
 
 /** POST over a socket of its own (Connection: close), and the answer's head as the bytes that came. */
-async function head (url: string, path: string, key?: string): Promise<Buffer> {
+async function head (url: string, path: string, key?: string, extra = ''): Promise<Buffer> {
   const { hostname, port } = new URL(url)
   const socket = connect({ host: hostname, port: Number(port) })
   await once(socket, 'connect')
   const body = '{"sku":"A1"}'
   // Not half-closed: the server closes the connection once it has answered (Connection: close).
-  socket.write(`POST ${path} HTTP/1.1\r\nHost: ${hostname}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n${key === undefined ? '' : `Idempotency-Key: ${key}\r\n`}\r\n${body}`)
+  socket.write(`POST ${path} HTTP/1.1\r\nHost: ${hostname}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n${key === undefined ? '' : `Idempotency-Key: ${key}\r\n`}${extra}\r\n${body}`)
   const chunks: Buffer[] = []
   for await (const chunk of socket) chunks.push(chunk as Buffer)
   const all = Buffer.concat(chunks)
@@ -162,6 +163,30 @@ describe('header bytes of a replay, in the other ways an answer goes out (memory
 })
 
 describe('header bytes of a replay over HTTP/2 (memory)', () => {
+  it('with @fastify/compress registered after the plugin: the retry gets the header as the first answer had it, compressed or not', async () => {
+    const app = Fastify({ http2: true }) as unknown as FastifyInstance
+    await app.register(idempotency)
+    await app.register(compress, { encodings: ['gzip'] })
+    app.setErrorHandler(idempotencyErrorHandler())
+    app.post('/large', { config: { idempotency: true } }, async (_request, reply) => { reply.header('content-disposition', DISPOSITION); return { rows: 'café,4\n'.repeat(300) } })
+    const address = await app.listen({ host: '127.0.0.1', port: 0 })
+    const session = connectHttp2(address)
+    try {
+      for (const coding of [{ 'accept-encoding': 'gzip' }, {}] as Array<Record<string, string>>) {
+        const key = newKey()
+        const first = await http2Post(session, '/large', { 'idempotency-key': key, ...coding }, '')
+        const retry = await http2Post(session, '/large', { 'idempotency-key': key, ...coding }, '')
+        const disposition = (answer: Http2Answer) => answer.headers.find(([name]) => name === 'content-disposition')?.[1]
+        expect(retry.headers).toContainEqual(['idempotent-replayed', 'true'])
+        expect(disposition(first)).toBe(DISPOSITION)
+        expect(disposition(retry)).toBe(DISPOSITION)
+      }
+    } finally {
+      session.close()
+      await app.close()
+    }
+  })
+
   it('the retry gets the header as the first answer had it, for a string and a Buffer body', async () => {
     const app = Fastify({ http2: true }) as unknown as FastifyInstance
     await app.register(idempotency)
@@ -186,3 +211,77 @@ describe('header bytes of a replay over HTTP/2 (memory)', () => {
     }
   })
 })
+
+// Cases of their own: a case's store is dropped once its describe is done.
+for (const store of await storeCases()) {
+  describe.skipIf(!store.available)(`header bytes of a replay beside @fastify/compress, on ${store.name}${store.reason}`, () => {
+    let storage: IdempotencyStorage
+    beforeAll(async () => { storage = await store.create() })
+    afterAll(async () => { await store.cleanup() })
+    for (const order of ['before', 'after'] as const) {
+      it(`registered ${order} the plugin: every retry's head carries the first answer's bytes, compressed or not, and the first answer is the plugin-less one`, async () => {
+        const app = Fastify()
+        if (order === 'before') await app.register(compress, { encodings: ['gzip'] })
+        await app.register(idempotency, { storage })
+        if (order === 'after') await app.register(compress, { encodings: ['gzip'] })
+        app.setErrorHandler(idempotencyErrorHandler())
+        let ran = 0
+        const answers: Record<string, (reply: FastifyReply) => unknown> = {
+        // Over @fastify/compress's threshold (1024 bytes): compressed for a client that accepts gzip.
+          large: () => ({ rows: 'café,4\n'.repeat(300) }),
+          small: () => ({ name: 'café' }),
+          empty: (reply) => { reply.code(204); return 'dropped' }
+        }
+        for (const [name, body] of Object.entries(answers)) {
+          const handler = async (_request: unknown, reply: FastifyReply) => {
+            ran++
+            reply.code(201).header('content-disposition', DISPOSITION)
+            return body(reply)
+          }
+          app.post(`/guarded/${name}`, { config: { idempotency: true } }, handler)
+          app.post(`/plain/${name}`, handler)
+        }
+        // A body over maxResponseBytes, on a route that frees the key for it: the retry runs again.
+        let released = 0
+        app.post('/guarded/released', { config: { idempotency: { maxResponseBytes: 16, unstorableResponse: 'release' } } }, async (_request, reply) => {
+          released++
+          reply.code(201).header('content-disposition', DISPOSITION)
+          return { rows: 'café,4\n'.repeat(300) }
+        })
+        // A header with several values.
+        app.post('/guarded/values', { config: { idempotency: true } }, async (_request, reply) => {
+          reply.code(201).header('x-labels', [LABEL, 'plain'])
+          return { name: 'café' }
+        })
+        const url = await app.listen({ host: '127.0.0.1', port: 0 })
+        try {
+          const releasedKey = newKey()
+          await head(url, '/guarded/released', releasedKey, 'Accept-Encoding: gzip\r\n')
+          await head(url, '/guarded/released', releasedKey, 'Accept-Encoding: gzip\r\n')
+          expect(released).toBe(2)
+          const valuesKey = newKey()
+          const [firstValues, retryValues] = [await head(url, '/guarded/values', valuesKey), await head(url, '/guarded/values', valuesKey)]
+          expect(retryValues.toString('latin1')).toMatch(/\r\nidempotent-replayed: true(\r\n|$)/)
+          expect(lines(retryValues).get('x-labels')?.toString('hex')).toBe(lines(firstValues).get('x-labels')?.toString('hex'))
+          const gzip = 'Accept-Encoding: gzip\r\n'
+          for (const name of Object.keys(answers)) {
+            for (const [firstCoding, retryCoding] of [[gzip, gzip], [gzip, ''], ['', gzip], ['', '']]) {
+              const key = newKey()
+              const before = ran
+              const first = await head(url, `/guarded/${name}`, key, firstCoding)
+              const retry = await head(url, `/guarded/${name}`, key, retryCoding)
+              const plain = await head(url, `/plain/${name}`, undefined, firstCoding)
+              const label = `${name}, first ${JSON.stringify(firstCoding)}, retry ${JSON.stringify(retryCoding)}`
+              expect(ran - before, label).toBe(2)
+              expect(retry.toString('latin1'), label).toMatch(/\r\nidempotent-replayed: true(\r\n|$)/)
+              expect(lines(first).get('content-disposition'), label).toEqual(lines(plain).get('content-disposition'))
+              expect(lines(retry).get('content-disposition')?.toString('hex'), label).toBe(lines(first).get('content-disposition')?.toString('hex'))
+            }
+          }
+        } finally {
+          await app.close()
+        }
+      })
+    }
+  })
+}

@@ -163,7 +163,7 @@ for (const store of cases) {
         }
       })
 
-      it(`@fastify/rate-limit with hook 'preHandler', registered ${order}: before, a limited request never reaches the store; after, a replay answers before the limiter runs`, async () => {
+      it(`@fastify/rate-limit with hook 'preHandler', registered ${order}: its preHandler runs before this plugin's, so a limited request, and a limited retry, never reach the store`, async () => {
         const counted = countingBegins(storage)
         const { app, port } = await serve(counted.storage, async (app) => { await app.register(rateLimit, { max: 1, timeWindow: 60_000, hook: 'preHandler' }) }, order)
         try {
@@ -172,18 +172,12 @@ for (const store of cases) {
           const limited = await post(port, '/payments', { 'idempotency-key': newKey() })
           expect(limited.status).toBe(429)
           const retry = await post(port, '/payments', { 'idempotency-key': key })
-          if (order === 'before') {
-            // Its preHandler runs first: the limited request and the limited retry never reach the store.
-            expect(counted.begins()).toBe(1)
-            expect(retry.status).toBe(429)
-          } else {
-            // This plugin's preHandler runs first: the limited request took a lease and freed it, and
-            // the retry is replayed without being counted or limited.
-            expect(counted.begins()).toBe(3)
-            expect(retry.status).toBe(201)
-            expect(retry.headers['idempotent-replayed']).toBe('true')
-            expect(retry.headers['x-ratelimit-remaining']).toBeUndefined()
-          }
+          // Whatever the order of registration, the limiter's preHandler runs first (the plugin's
+          // request hooks are the route's last): neither the limited request nor the limited retry
+          // took a lease, and the retry is limited, not replayed.
+          expect(counted.begins()).toBe(1)
+          expect(retry.status).toBe(429)
+          expect(retry.headers['idempotent-replayed']).toBeUndefined()
         } finally {
           await app.close()
         }

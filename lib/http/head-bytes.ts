@@ -11,6 +11,8 @@
  */
 import { Socket } from 'node:net'
 import type { FastifyReply } from 'fastify'
+import type { StoredResponse } from '../storage/types.js'
+import { replyTrailers } from './trailers.js'
 
 const BEYOND_ASCII = /[\u0080-\u00ff]/
 
@@ -29,21 +31,24 @@ export function headWrittenWithBody (reply: FastifyReply, payload: unknown): boo
 /**
  * `value` as stored for a head written in UTF-8 (see above): unchanged when it is all ASCII, the
  * usual case, which costs one test; otherwise the text whose latin1 bytes are its UTF-8 bytes,
- * unless the answer has trailers, whose chunked body makes Node write the head alone after all.
+ * unless the answer has trailers (`reply.trailer()`), which Fastify sends in chunked encoding: its
+ * first write then is a chunk's length, in latin1, and the head goes with it.
  */
 export function asSentWithBody (reply: FastifyReply, value: string): string {
-  if (!BEYOND_ASCII.test(value) || hasTrailers(reply)) return value
+  if (!BEYOND_ASCII.test(value) || replyTrailers(reply) !== null) return value
   return Buffer.from(value, 'utf8').toString('latin1')
 }
 
 /**
- * Whether the reply has trailers (`reply.trailer()`), which Fastify sends in chunked encoding: its
- * first write then is a chunk's length, in latin1, and the head goes with it. Fastify has no
- * public way to list them; they are the reply's `fastify.reply.trailers` field, read only for a
- * value beyond ASCII.
+ * `response`, taken with its values as they were set, as stored for a head written in UTF-8 with
+ * its body (see above): used when only the final payload, after the onSend hooks of plugins
+ * registered after this one (@fastify/compress), says how the head goes out.
  */
-function hasTrailers (reply: FastifyReply): boolean {
-  const field = Object.getOwnPropertySymbols(reply).find((symbol) => symbol.description === 'fastify.reply.trailers')
-  const trailers = field === undefined ? null : (reply as unknown as Record<symbol, Record<string, unknown> | null>)[field]
-  return trailers !== null && trailers !== undefined && Object.values(trailers).some((trailer) => typeof trailer === 'function')
+export function responseAsSentWithBody (reply: FastifyReply, response: StoredResponse): StoredResponse {
+  const headers: Record<string, string | string[]> = {}
+  for (const name in response.headers) {
+    const value = response.headers[name]!
+    headers[name] = Array.isArray(value) ? value.map((item) => asSentWithBody(reply, item)) : asSentWithBody(reply, value)
+  }
+  return { ...response, headers, contentType: response.contentType === null ? null : asSentWithBody(reply, response.contentType) }
 }

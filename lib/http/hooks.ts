@@ -4,7 +4,7 @@
  * request through its phases (engine/request-state.ts); these hooks turn HTTP into its inputs and
  * its outcomes back into HTTP, in the order Fastify calls them:
  *
- *   onRequest      read and validate the key (400 before anything else happens)      keyed
+ *   onRequest      read and validate the key (a 400 is sent from preHandler)         keyed
  *   preValidation  (a route with a body schema) the body as it arrived, before validation
  *   preHandler     fingerprint, scope, then `acquire`: replay, refuse, or run   -> replayed, refused,
  *                                                                                  unprotected, running
@@ -29,7 +29,7 @@ import { kState, HttpRequestState, type GuardedRequest, type GuardedRoute } from
 import { takeArrivedBody, takeFingerprint, unparsedBodyHash } from './request-fingerprint.js'
 import { replayResponse } from './replay.js'
 import { hasCredentials, resolveScope } from './scope.js'
-import { handOn, settleHijacked, settleResponse } from './settle-response.js'
+import { handOn, settleFinal, settleHijacked, settleResponse } from './settle-response.js'
 
 export { kState, type IdempotencyRequestContext } from './request-context.js'
 
@@ -39,6 +39,10 @@ export interface RouteHooks {
   preValidation: preValidationHookHandler
   preHandler: preHandlerHookHandler
   onSend: onSendHookHandler
+  /** Placed last among the route's onSend hooks when others run after `onSend`: settles what waits for the payload Fastify sends. */
+  finalOnSend: onSendHookHandler
+  /** Say whether onSend hooks of the route's options run after `onSend` (and `finalOnSend` is placed). */
+  laterOnSend: (later: boolean) => void
   onError: onErrorHookHandler
   /** Stop renewing this route's leases (the server is closing). */
   stop: () => void
@@ -57,12 +61,14 @@ export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTION
 export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods: boolean, inFlight: InFlight): RouteHooks {
   const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher, inFlight)
   const textBodies = engine.door.keepsText && engine.door.cipher === null && settings.storeIf === null && settings.redact === null
-  const route: GuardedRoute = { engine, plugin, settings, url, credentialsWarned: settings.scope !== null, textBodies }
+  const route: GuardedRoute = { engine, plugin, settings, url, credentialsWarned: settings.scope !== null, textBodies, laterOnSend: false }
   return {
     onRequest: onRequestHook(route, safeMethods),
     preValidation: preValidationHook(route),
     preHandler: preHandlerHook(route),
     onSend: onSend as onSendHookHandler,
+    finalOnSend: finalOnSend as onSendHookHandler,
+    laterOnSend: (later) => { route.laterOnSend = later },
     onError,
     stop: () => { stopRouteEngine(engine) }
   }
@@ -81,11 +87,13 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
       // A route whose key comes from a function of its own reads it in preHandler.
       key = settings.key === null ? readIdempotencyKey(request.headers[headerName], headerLabel, maxKeyLength) : PENDING_KEY
     } catch (error) {
-      done(error as Error)
+      refuseLater(request, error as Error)
+      done()
       return
     }
     if (key === undefined) {
-      done(settings.required ? new IdempotencyKeyMissingError(headerLabel) : undefined)
+      if (settings.required) refuseLater(request, new IdempotencyKeyMissingError(headerLabel))
+      done()
       return
     }
     const guarded = request as GuardedRequest
@@ -95,6 +103,19 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
     guarded[kState] = http
     done()
   }
+}
+
+/** On a request: the plugin's refusal of its key (missing, invalid), sent from preHandler. */
+const kRefusal = Symbol('fastify-idempotency.refusal')
+
+/**
+ * A key refused in onRequest is answered from the plugin's preHandler, the route's last: every hook
+ * the app gave the route (authentication in onRequest, preValidation or preHandler, validation of
+ * the body) answers first, as for any other answer of the plugin. Only requests refused here get
+ * the property.
+ */
+function refuseLater (request: FastifyRequest, error: Error): void {
+  (request as FastifyRequest & { [kRefusal]?: Error })[kRefusal] = error
 }
 
 /** The key of a request whose route reads it from a function, until preHandler has. */
@@ -152,7 +173,7 @@ function preHandlerHook (route: GuardedRoute): preHandlerHookHandler {
   return function preHandler (request: FastifyRequest, reply: FastifyReply, done: (error?: Error) => void): void {
     const pending = (request as GuardedRequest)[kState]
     if (pending === null) {
-      done()
+      done((request as FastifyRequest & { [kRefusal]?: Error })[kRefusal])
       return
     }
     let asked: MaybePromise<Asked | null>
@@ -322,6 +343,27 @@ function respondSettled (reply: FastifyReply, http: HttpRequestState, payload: u
     return
   }
   http.handedOn = HANDED_ON
+  handOn(reply, done, null, sent)
+}
+
+/** The route's last onSend hook, where onSend hooks run after the plugin's: a settle that waits for the payload Fastify sends. */
+function finalOnSend (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void {
+  const http = (request as GuardedRequest)[kState]
+  if (http === null || http.finalEnding === null) {
+    done(null, payload)
+    return
+  }
+  let sent: MaybePromise<unknown>
+  try {
+    sent = settleFinal(reply, http, payload)
+  } catch (error) {
+    handOn(reply, done, error as Error)
+    return
+  }
+  if (isPromise(sent)) {
+    http.handedOn = sent.then((settled) => { handOn(reply, done, null, settled) }, (error: Error) => { handOn(reply, done, error) })
+    return
+  }
   handOn(reply, done, null, sent)
 }
 

@@ -2,6 +2,7 @@
  * Sending a stored response to a retry. The stored status, headers and body are the first
  * answer's, with two exceptions that belong to the retry itself:
  *
+ * - Trailers are sent again with the values the first answer sent (trailers.ts).
  * - Headers the current request's own hooks have set already (CORS, request ids, rate limits, set
  *   in onRequest or preHandler before the replay) win over stored ones.
  * - A body stored encoded (when @fastify/compress ran before this plugin's onSend) is decoded when
@@ -13,6 +14,7 @@ import { brotliDecompress, gunzip, inflate } from 'node:zlib'
 import { negotiate } from '@fastify/accept-negotiator'
 import type { FastifyReply, FastifyRequest } from 'fastify'
 import { isPseudoHeader } from './capture.js'
+import { TRAILER_PREFIX } from './trailers.js'
 import type { StoredResponse } from '../storage/types.js'
 
 /** Marks a replay of an answer whose body was not kept (see StoredResponse.bodyOmitted). */
@@ -33,8 +35,13 @@ export function replayResponse (request: FastifyRequest, reply: FastifyReply, re
   reply.code(response.statusCode)
   const { headers } = response
   for (const name in headers) {
-    // An entry stored before pseudo-headers were left out could hold `:status`; setting it throws.
-    if (!reply.hasHeader(name) && !isPseudoHeader(name)) reply.header(name, headers[name])
+    if (isPseudoHeader(name)) {
+      // The first answer's trailers, with the values it sent (trailers.ts). Any other such entry (one
+      // stored before pseudo-headers were left out could hold `:status`) is skipped: setting it throws.
+      if (name.startsWith(TRAILER_PREFIX)) replayTrailer(reply, name.slice(TRAILER_PREFIX.length), headers[name]!)
+    } else if (!reply.hasHeader(name)) {
+      reply.header(name, headers[name])
+    }
   }
   if (response.contentType !== null) reply.header('content-type', response.contentType)
   if (replayHeader !== null) reply.header(replayHeader, 'true')
@@ -47,6 +54,12 @@ export function replayResponse (request: FastifyRequest, reply: FastifyReply, re
   if (typeof coding === 'string') return acceptable(request, reply, coding, response.body).then((body) => { reply.send(body) })
   reply.send(response.body)
   return undefined
+}
+
+/** A stored trailer, sent again as the first answer sent it; one the handler of the retry's hooks set already is theirs. */
+function replayTrailer (reply: FastifyReply, name: string, value: string | string[]): void {
+  if (reply.hasTrailer(name)) return
+  reply.trailer(name, (_reply: FastifyReply, _payload: unknown, done: (error: Error | null, value: string) => void) => { done(null, String(value)) })
 }
 
 /**

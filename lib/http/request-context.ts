@@ -8,6 +8,7 @@ import type { FastifyRequest } from 'fastify'
 import { RequestState } from '../engine/request-state.js'
 import type { ResponseCallbacks } from '../engine/route-callbacks.js'
 import type { RouteEngine } from '../engine/route-engine.js'
+import type { Ending } from '../engine/settle.js'
 import { runStep, type StepFunction } from '../engine/steps.js'
 import type { ValueCodec } from '../engine/value-codec.js'
 import type { IdempotencyStoreUnavailableError } from '../errors.js'
@@ -54,6 +55,12 @@ export interface GuardedRoute {
    * which are given the response with its bytes; no encryption, which seals the bytes).
    */
   readonly textBodies: boolean
+  /**
+   * The route has onSend hooks of its options after the plugin's (@fastify/compress registered
+   * after it): a response whose head may go out with its body is settled from the route's last
+   * onSend hook, which sees the payload Fastify sends (settle-response.ts, `settleFinal`).
+   */
+  laterOnSend: boolean
 }
 
 /** `request.idempotency`: one per request with a key. */
@@ -94,6 +101,8 @@ export class HttpRequestState implements ResponseCallbacks {
   rawBody: { digest: (limit: number) => Promise<string> } | null = null
   /** The handler (or a hook after ours) failed: whatever status the error handler picks, nothing is stored. */
   failed = false
+  /** A response whose settle waits for the route's last onSend hook (`GuardedRoute.laterOnSend`). */
+  finalEnding: Ending | null = null
   /** Resolves once the response has been handed on to Fastify after settling (onSend). */
   handedOn: Promise<void> | null = null
   /**

@@ -87,7 +87,12 @@ export function guardRoutes (fastify: FastifyInstance, registration: Registratio
       // its onRoute hooks run, and before the app starts.
       this.after(async () => {
         waiting.delete(this)
-        for (const { route, name, url } of routes) if (route[kOwner] === registration) guard(registration, route, name, url)
+        for (const { route, name, url } of routes) {
+          if (route[kOwner] !== registration) continue
+          guard(registration, route, name, url)
+          const current = route[kGuard]
+          if (current !== undefined) placeLast(route, current.hooks)
+        }
       })
     }
     pending.push({ route, name, url })
@@ -118,13 +123,43 @@ function guard (registration: Registration, route: Route, name: string, url: str
   registration.mark(route, true)
   recordDocumentation(route, { ...registration.settings, ...settings })
   // Ours go last, so the route's own onRequest/preHandler hooks (authentication, say) run first
-  // and a replay is never served to a request they would have refused.
+  // and a replay is never served to a request they would have refused; placeLast puts them last
+  // again once every onRoute hook has run.
   add(route, 'onRequest', hooks.onRequest)
   // The body is fingerprinted as it arrived: where a schema may change it, before validation.
   if (route.schema?.body !== undefined) add(route, 'preValidation', hooks.preValidation)
   add(route, 'preHandler', hooks.preHandler)
   add(route, 'onSend', hooks.onSend)
   add(route, 'onError', hooks.onError)
+}
+
+/**
+ * Once every `onRoute` hook of the route has run (the app's, and those of plugins registered after
+ * this one, @fastify/rate-limit's or an auth plugin's, which add theirs at the end of the route's
+ * lists): the guard's request hooks are moved to the end of theirs, so that every hook the app
+ * attached to the route, in whichever order, runs before the plugin replays, takes a lease or
+ * refuses. Fastify runs the hooks of the route's contexts (`addHook`) before those of its options,
+ * so those run first anyway. The body schema is final now too: with one, the body is taken before
+ * validation whatever set it (the route's options, or an `onRoute` hook after this one).
+ * `onSend` and `onError` stay where they were added: what they see of the response is documented
+ * by the order of registration (docs/headers.md).
+ */
+function placeLast (route: Route, hooks: RouteHooks): void {
+  // When onSend hooks of the route run after the plugin's, the last one settles what needs to see
+  // the payload Fastify sends (how the head goes out, head-bytes.ts).
+  const sends = hookList(route, 'onSend')
+  const others = sends.filter((hook) => hook !== hooks.finalOnSend)
+  const later = others[others.length - 1] !== hooks.onSend
+  hooks.laterOnSend(later)
+  if (later || others.length !== sends.length) (route as Record<HookName, unknown>).onSend = later ? [...others, hooks.finalOnSend] : others
+  for (const name of ['onRequest', 'preValidation', 'preHandler'] as const) {
+    const existing = hookList(route, name)
+    const others = existing.filter((hook) => hook !== hooks[name])
+    const wanted = name !== 'preValidation' || route.schema?.body !== undefined
+    const placed = wanted ? existing[existing.length - 1] === hooks[name] && others.length === existing.length - 1 : others.length === existing.length
+    if (placed) continue
+    ;(route as Record<HookName, unknown>)[name] = wanted ? [...others, hooks[name]] : others
+  }
 }
 
 /** Whether `value` holds the same data as `copy` (made by copyOf): a hook may change a config in place. */
@@ -145,7 +180,7 @@ function unguard (route: Route, { registration, hooks }: Guard): void {
   recordDocumentation(route, null)
   for (const name of ['onRequest', 'preValidation', 'preHandler', 'onSend', 'onError'] as const) {
     const existing = hookList(route, name)
-    const kept = existing.filter((hook) => hook !== hooks[name])
+    const kept = existing.filter((hook) => hook !== hooks[name] && hook !== hooks.finalOnSend)
     if (kept.length !== existing.length) (route as Record<HookName, unknown>)[name] = kept
   }
 }

@@ -13,8 +13,9 @@ import { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
 import { adoptWebPayload, captureStream, hijackedOutcome, isNodeStream, payloadBytes, snapshotResponse, TEXT_BODY, withBody, type Captured } from './capture.js'
-import { headWrittenWithBody } from './head-bytes.js'
+import { headWrittenWithBody, responseAsSentWithBody } from './head-bytes.js'
 import type { HttpRequestState } from './request-context.js'
+import { collectTrailers, replyTrailers, withTrailers } from './trailers.js'
 
 const NOT_MODIFIED = 304
 
@@ -40,20 +41,62 @@ export function settleResponse (reply: FastifyReply, http: HttpRequestState, sen
   if (http.failed || !isStorable(settings, statusCode)) {
     return then(end(reply, http, { kind: 'give-back', statusCode, reason: http.failed ? 'failed' : 'not-cacheable' }, stream ? 'stream' : 'bytes'), payload)
   }
+  const trailers = replyTrailers(reply)
+  // Whether Node writes the head with the body, in UTF-8, is known from the payload Fastify sends:
+  // when onSend hooks of the route run after this one (@fastify/compress registered after the
+  // plugin makes a stream of a string), only the route's last onSend hook knows it (settleFinal).
+  const final = trailers === null && http.route.laterOnSend
+  const headWithBody = !final && headWrittenWithBody(reply, payload)
+  let ending: Ending | null = null
   // In a transaction the bytes are written with the handler's writes: a text body is text only outside one.
-  const headWithBody = headWrittenWithBody(reply, payload)
   if (typeof payload === 'string' && http.route.textBodies && http.state.transaction === null) {
-    return then(end(reply, http, fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload, headWithBody) : tooLarge(reply, http, headWithBody), 'bytes'), payload)
+    ending = fitsAsText(payload, settings.maxResponseBytes) ? storedText(reply, http, payload, headWithBody) : tooLarge(reply, http, headWithBody)
+  } else {
+    const bytes = payloadBytes(payload)
+    if (bytes !== null) ending = bytes.length > settings.maxResponseBytes ? tooLarge(reply, http, headWithBody) : stored(reply, http, bytes, headWithBody)
   }
-  const bytes = payloadBytes(payload)
-  if (bytes !== null) {
-    return then(end(reply, http, bytes.length > settings.maxResponseBytes ? tooLarge(reply, http, headWithBody) : stored(reply, http, bytes, headWithBody), 'bytes'), payload)
+  if (ending !== null) {
+    if (trailers !== null) {
+      afterTrailers(reply, http, trailers, ending)
+      return payload
+    }
+    if (final) {
+      http.finalEnding = ending
+      return payload
+    }
+    return then(end(reply, http, ending, 'bytes'), payload)
   }
-  if (stream) return captured(reply, http, payload)
+  if (stream) return captured(reply, http, payload, trailers)
   // Anything else (a Response whose body was read already, a locked web stream, an object that
   // is not bytes): Fastify refuses to send it, and answers 500 instead. Nothing was answered, so
   // nothing is kept, as for an error.
   return then(end(reply, http, { kind: 'give-back', statusCode, reason: 'failed' }, 'bytes'), payload)
+}
+
+/**
+ * The route's last onSend hook, for a response whose settle waits for it (`finalEnding`): the
+ * payload is now the one Fastify sends, which says how its head goes out (head-bytes.ts).
+ */
+export function settleFinal (reply: FastifyReply, http: HttpRequestState, payload: unknown): MaybePromise<unknown> {
+  let ending = http.finalEnding!
+  http.finalEnding = null
+  if (ending.kind === 'store' && headWrittenWithBody(reply, payload)) ending = { ...ending, response: responseAsSentWithBody(reply, ending.response) }
+  return then(end(reply, http, ending, 'bytes'), payload)
+}
+
+/**
+ * A response with trailers is settled once their values are known, and they reach the client once
+ * it is (trailers.ts). Its body is on its way by then: a success that must not be delivered is cut.
+ */
+function afterTrailers (reply: FastifyReply, http: HttpRequestState, trailers: NonNullable<ReturnType<typeof replyTrailers>>, ending: MaybePromise<Ending>): void {
+  const collected = collectTrailers(reply, trailers)
+  // A key given back (a stream that failed, whose trailers Fastify never asks for) is at once.
+  const settled = Promise.resolve(ending).then(async (known) => {
+    await end(reply, http, known.kind === 'store' ? { ...known, response: withTrailers(known.response, await collected.values) } : known, 'stream')
+  })
+  collected.holdUntil(settled)
+  // Settling reports its own failures; one that escapes it must still not go unhandled.
+  settled.catch((error: unknown) => { reply.log.error({ err: error }, 'fastify-idempotency: settling a response with trailers failed') })
 }
 
 /** `value` once `settled` has settled: at once when it has. */
@@ -112,7 +155,7 @@ function withheld (reply: FastifyReply, http: HttpRequestState, settlement: Sett
  * replay). A source that has not ended `lockTimeout` after its client left is stopped, and its
  * outcome kept without the body, as for one too large.
  */
-function captured (reply: FastifyReply, http: HttpRequestState, payload: Readable): Readable {
+function captured (reply: FastifyReply, http: HttpRequestState, payload: Readable, trailers: ReturnType<typeof replyTrailers>): Readable {
   const { maxResponseBytes, lockTimeout } = http.route.settings
   const head = snapshotResponse(reply, http.route.plugin.excludedHeaders, null)
   const capture = captureStream(payload, maxResponseBytes, Number(reply.getHeader('content-length') ?? Number.NaN))
@@ -121,7 +164,13 @@ function captured (reply: FastifyReply, http: HttpRequestState, payload: Readabl
     timer.unref()
     void capture.captured.then(() => { clearTimeout(timer) })
   })
-  capture.holdEndUntil(capture.captured.then(async (result) => { await end(reply, http, streamEnding(http, head, result), 'stream') }))
+  if (trailers === null) {
+    capture.holdEndUntil(capture.captured.then(async (result) => { await end(reply, http, streamEnding(http, head, result), 'stream') }))
+  } else {
+    // Fastify asks for the trailers once the body has ended: the trailers, not the body's end, wait
+    // for the settle.
+    afterTrailers(reply, http, trailers, capture.captured.then((result) => streamEnding(http, head, result)))
+  }
   return capture.stream
 }
 
