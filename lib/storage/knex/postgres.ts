@@ -290,7 +290,7 @@ export class PostgresDialect extends BaseDialect {
 
   /** Notifications carry the key's bytes in base64. */
   async giveBack ({ id, token }: HeldLease): Promise<number> {
-    const { rows } = await this.bound(this.knex.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
+    const { rows } = await this.alone<{ rows: unknown[] }>((db) => db.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
   }
 
@@ -307,12 +307,26 @@ export class PostgresDialect extends BaseDialect {
    * `undefined` when it is not held any more.
    */
   async markWaiting (id: Buffer): Promise<number | undefined> {
-    const { rows } = await this.bound(this.knex.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
+    const { rows } = await this.alone<{ rows: unknown[] }>((db) => db.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
     return rows.length === 0 ? undefined : millis((rows[0] as { remaining: unknown }).remaining)
   }
 
   isDeadlock (error: unknown): boolean {
     return DEADLOCK_CODES.has(String((error as { code?: unknown } | null)?.code))
+  }
+
+  /**
+   * Where the sessions default to REPEATABLE READ or SERIALIZABLE, a statement built with knex
+   * runs in a READ COMMITTED transaction of its own, as the hot statements do (`#send`): the
+   * lease's renewals beside a request, its give-back, a waiter's mark, a purge. At the role's
+   * SERIALIZABLE each recorded its read of the table, and they failed one another as
+   * serialization failures (past their retries): a renewal that failed lost its request's lease
+   * (a stored response answered 503, or not stored, and the handler run again on the retry), a
+   * give-back that failed left the key locked until the lease lapsed.
+   */
+  protected override async alone<T> (build: (db: Knex | Knex.Transaction) => Knex.QueryBuilder | Knex.Raw): Promise<T> {
+    if (!this.#strictSession) return await super.alone(build)
+    return await this.knex.transaction(async (trx) => await this.bound(build(trx)) as T, { isolationLevel: 'read committed' })
   }
 
   async #notify (db: Knex | Knex.Transaction, id: Buffer): Promise<void> {
