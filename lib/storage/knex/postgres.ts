@@ -150,6 +150,14 @@ interface PgStatement {
 const DEADLOCK_CODES = new Set(['40P01', '40001'])
 
 /**
+ * A handler's statement in conflict with another transaction: those, and a lock wait cut short by
+ * `lock_timeout` (55P03: a role's, a database's, or `FOR UPDATE NOWAIT`), as MariaDB's lock wait
+ * timeout (1205) is. Not retried as a statement standing alone: the store's own lock waits are
+ * bounded by `statementTimeout`, and would only wait again.
+ */
+const CONFLICT_CODES = new Set([...DEADLOCK_CODES, '55P03'])
+
+/**
  * The server does not hold a named statement as node-postgres believes it does (26000: no such
  * statement; 42P05: the name is taken): a pooler between them hands each statement to another
  * server connection (PgBouncer in transaction mode before 1.21). Either error comes before the
@@ -285,7 +293,7 @@ export class PostgresDialect extends BaseDialect {
   }
 
   isConflict (error: unknown): boolean {
-    return this.isDeadlock(error)
+    return CONFLICT_CODES.has(String((error as { code?: unknown } | null)?.code))
   }
 
   /** Notifications carry the key's bytes in base64. */
