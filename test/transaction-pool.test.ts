@@ -77,3 +77,51 @@ for (const [index, database] of databases.entries()) {
     }
   })
 }
+
+// More request transactions at once than the pool lets open: the requests beyond wait for one,
+// each holding the lease `begin` took. The plugin renews a lease once the request's transaction is
+// open, so the store renews it meanwhile. Before, it lapsed while its request waited (here the
+// last ones wait about 3 s, lockTimeout is 2 s): a duplicate sent then took the key over and ran
+// the handler, the first request ran it too once its turn came, and was rolled back (503).
+for (const [index, database] of databases.entries()) {
+  describe.skipIf(!database.availability.available)(`transaction mode on ${database.name}, more requests than transactions at once${database.availability.reason}`, () => {
+    const knex = knexFactory(database.config)
+    const table = `trx_pool_wait_${stamp}_${index}`
+    const orders = `${table}_orders`
+    const runs = new Map<string, number>()
+    const app = Fastify()
+    afterAll(async () => {
+      await app.close()
+      await knex.schema.dropTableIfExists(orders)
+      await dropIdempotencyTable(knex, table)
+      await knex.destroy()
+    })
+
+    it('keeps the lease of a request waiting for a transaction: 40 at once, a duplicate of each of the last 5 sent while it waits gets 409, each handler runs once', async () => {
+      await knex.schema.createTable(orders, (t) => { t.increments('id'); t.string('idem_key', 100) })
+      await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }), transaction: true, lockTimeout: 2000 })
+      app.setErrorHandler(idempotencyErrorHandler())
+      app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+        const key = request.headers['idempotency-key'] as string
+        runs.set(key, (runs.get(key) ?? 0) + 1)
+        await transactionOf(request)(orders).insert({ idem_key: key })
+        await new Promise((resolve) => setTimeout(resolve, 700))
+        return await reply.code(201).send({ ok: true })
+      })
+      const url = `${await app.listen({ host: '127.0.0.1', port: 0 })}/orders`
+      const keys = Array.from({ length: 40 }, (_, i) => `wait-${i}`)
+      const first = keys.map(async (key) => await postWithKey(url, key, '{}'))
+      // The last ones wait for 35 requests ahead of them, 9 at a time, 0.7 s each.
+      await new Promise((resolve) => setTimeout(resolve, 2500))
+      const duplicates = await Promise.all(keys.slice(-5).map(async (key) => await postWithKey(url, key, '{}')))
+      const answers = await Promise.all(first)
+      const written = await knex(orders).whereIn('idem_key', keys).select('idem_key') as Array<{ idem_key: string }>
+      expect({
+        duplicates: duplicates.map((answer) => answer.replayed ? 'replayed' : answer.status),
+        runs: keys.filter((key) => runs.get(key) !== 1),
+        rows: keys.filter((key) => written.filter((row) => row.idem_key === key).length !== 1),
+        answers: answers.map((answer) => answer.status)
+      }).toEqual({ duplicates: [409, 409, 409, 409, 409], runs: [], rows: [], answers: keys.map(() => 201) })
+    }, 30_000)
+  })
+}
