@@ -125,3 +125,34 @@ for (const [index, database] of databases.entries()) {
     }, 30_000)
   })
 }
+
+describe.skipIf(!databases[0]!.availability.available)(`a request transaction that waits for its slot, on PostgreSQL${databases[0]!.availability.reason}`, () => {
+  // A pool of two: one request transaction at a time.
+  const knex = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 2 } })
+  const table = `trx_pool_slot_${stamp}`
+  const storage = new KnexStorage({ knex, tableName: table, createTable: true })
+  afterAll(async () => {
+    await dropIdempotencyTable(knex, table)
+    await knex.destroy()
+  })
+
+  it('renews its lease while it waits, fails when the lease is gone when its turn comes, and opens without a lease to keep', async () => {
+    const ahead = await storage.begin('slot-ahead', 'fp', 60_000) as { token: string }
+    const holding = await storage.transaction({ request: true, lease: { key: 'slot-ahead', token: ahead.token, lockTimeout: 60_000 } })
+    const kept = await storage.begin('slot-kept', 'fp', 400) as { token: string }
+    const lost = await storage.begin('slot-lost', 'fp', 400) as { token: string }
+    const waitingKept = storage.transaction({ request: true, lease: { key: 'slot-kept', token: kept.token, lockTimeout: 400 } })
+    const waitingLost = storage.transaction({ request: true, lease: { key: 'slot-lost', token: lost.token, lockTimeout: 400 } })
+    const waitingBare = storage.transaction({ request: true })
+    waitingLost.catch(() => {})
+    expect(await storage.release('slot-lost', lost.token)).toBe(true)
+    // Three lease lengths: the waiting lease lapses unless it is renewed.
+    await new Promise((resolve) => setTimeout(resolve, 1200))
+    expect((await storage.inspect('slot-kept')).state).toBe('in-flight')
+    await holding.rollback()
+    const opened = await waitingKept
+    await opened.rollback()
+    await expect(waitingLost).rejects.toThrow(/lease was lost while its request waited/)
+    await (await waitingBare).rollback()
+  })
+})
