@@ -155,4 +155,22 @@ describe.skipIf(!databases[0]!.availability.available)(`a request transaction th
     await expect(waitingLost).rejects.toThrow(/lease was lost while its request waited/)
     await (await waitingBare).rollback()
   })
+
+  it('does not take a renewal that fails for a lost lease while it waits: the transaction opens', async () => {
+    const ahead = await storage.begin('slot-ahead-2', 'fp', 60_000) as { token: string }
+    const holding = await storage.transaction({ request: true, lease: { key: 'slot-ahead-2', token: ahead.token, lockTimeout: 60_000 } })
+    const waiting = await storage.begin('slot-failing', 'fp', 60_000) as { token: string }
+    let failed = 0
+    const renew = storage.renew
+    storage.renew = async () => { failed++; throw new Error('connection reset') }
+    try {
+      const opening = storage.transaction({ request: true, lease: { key: 'slot-failing', token: waiting.token, lockTimeout: 80 } })
+      await new Promise((resolve) => setTimeout(resolve, 200))
+      await holding.rollback()
+      await (await opening).rollback()
+      expect(failed).toBeGreaterThan(0)
+    } finally {
+      storage.renew = renew
+    }
+  })
 })
