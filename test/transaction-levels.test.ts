@@ -175,7 +175,7 @@ for (const [index, server] of servers.entries()) {
     })
 
     it('knows a conflict of a handler\'s transaction from any other failure', () => {
-      const conflicts = server.name === 'PostgreSQL' ? [{ code: '40001' }, { code: '40P01' }] : [{ errno: 1213 }, { errno: 1205 }, { errno: 1020 }]
+      const conflicts = server.name === 'PostgreSQL' ? [{ code: '40001' }, { code: '40P01' }, { code: '55P03' }] : [{ errno: 1213 }, { errno: 1205 }, { errno: 1020 }]
       for (const error of conflicts) expect(storage.isConflict(Object.assign(new Error('conflict'), error))).toBe(true)
       expect(storage.isConflict(Object.assign(new Error('duplicate key'), { code: '23505', errno: 1062 }))).toBe(false)
       expect(storage.isConflict(null)).toBe(false)

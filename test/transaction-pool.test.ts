@@ -77,3 +77,100 @@ for (const [index, database] of databases.entries()) {
     }
   })
 }
+
+// More request transactions at once than the pool lets open: the requests beyond wait for one,
+// each holding the lease `begin` took. The plugin renews a lease once the request's transaction is
+// open, so the store renews it meanwhile. Before, it lapsed while its request waited (here the
+// last ones wait about 3 s, lockTimeout is 2 s): a duplicate sent then took the key over and ran
+// the handler, the first request ran it too once its turn came, and was rolled back (503).
+for (const [index, database] of databases.entries()) {
+  describe.skipIf(!database.availability.available)(`transaction mode on ${database.name}, more requests than transactions at once${database.availability.reason}`, () => {
+    const knex = knexFactory(database.config)
+    const table = `trx_pool_wait_${stamp}_${index}`
+    const orders = `${table}_orders`
+    const runs = new Map<string, number>()
+    const app = Fastify()
+    afterAll(async () => {
+      await app.close()
+      await knex.schema.dropTableIfExists(orders)
+      await dropIdempotencyTable(knex, table)
+      await knex.destroy()
+    })
+
+    it('keeps the lease of a request waiting for a transaction: 40 at once, a duplicate of each of the last 5 sent while it waits gets 409, each handler runs once', async () => {
+      await knex.schema.createTable(orders, (t) => { t.increments('id'); t.string('idem_key', 100) })
+      await app.register(idempotency, { storage: new KnexStorage({ knex, tableName: table, createTable: true }), transaction: true, lockTimeout: 2000 })
+      app.setErrorHandler(idempotencyErrorHandler())
+      app.post('/orders', { config: { idempotency: true } }, async (request, reply) => {
+        const key = request.headers['idempotency-key'] as string
+        runs.set(key, (runs.get(key) ?? 0) + 1)
+        await transactionOf(request)(orders).insert({ idem_key: key })
+        await new Promise((resolve) => setTimeout(resolve, 700))
+        return await reply.code(201).send({ ok: true })
+      })
+      const url = `${await app.listen({ host: '127.0.0.1', port: 0 })}/orders`
+      const keys = Array.from({ length: 40 }, (_, i) => `wait-${i}`)
+      const first = keys.map(async (key) => await postWithKey(url, key, '{}'))
+      // The last ones wait for 35 requests ahead of them, 9 at a time, 0.7 s each.
+      await new Promise((resolve) => setTimeout(resolve, 2500))
+      const duplicates = await Promise.all(keys.slice(-5).map(async (key) => await postWithKey(url, key, '{}')))
+      const answers = await Promise.all(first)
+      const written = await knex(orders).whereIn('idem_key', keys).select('idem_key') as Array<{ idem_key: string }>
+      expect({
+        duplicates: duplicates.map((answer) => answer.replayed ? 'replayed' : answer.status),
+        runs: keys.filter((key) => runs.get(key) !== 1),
+        rows: keys.filter((key) => written.filter((row) => row.idem_key === key).length !== 1),
+        answers: answers.map((answer) => answer.status)
+      }).toEqual({ duplicates: [409, 409, 409, 409, 409], runs: [], rows: [], answers: keys.map(() => 201) })
+    }, 30_000)
+  })
+}
+
+describe.skipIf(!databases[0]!.availability.available)(`a request transaction that waits for its slot, on PostgreSQL${databases[0]!.availability.reason}`, () => {
+  // A pool of two: one request transaction at a time.
+  const knex = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 2 } })
+  const table = `trx_pool_slot_${stamp}`
+  const storage = new KnexStorage({ knex, tableName: table, createTable: true })
+  afterAll(async () => {
+    await dropIdempotencyTable(knex, table)
+    await knex.destroy()
+  })
+
+  it('renews its lease while it waits, fails when the lease is gone when its turn comes, and opens without a lease to keep', async () => {
+    const ahead = await storage.begin('slot-ahead', 'fp', 60_000) as { token: string }
+    const holding = await storage.transaction({ request: true, lease: { key: 'slot-ahead', token: ahead.token, lockTimeout: 60_000 } })
+    const kept = await storage.begin('slot-kept', 'fp', 400) as { token: string }
+    const lost = await storage.begin('slot-lost', 'fp', 400) as { token: string }
+    const waitingKept = storage.transaction({ request: true, lease: { key: 'slot-kept', token: kept.token, lockTimeout: 400 } })
+    const waitingLost = storage.transaction({ request: true, lease: { key: 'slot-lost', token: lost.token, lockTimeout: 400 } })
+    const waitingBare = storage.transaction({ request: true })
+    waitingLost.catch(() => {})
+    expect(await storage.release('slot-lost', lost.token)).toBe(true)
+    // Three lease lengths: the waiting lease lapses unless it is renewed.
+    await new Promise((resolve) => setTimeout(resolve, 1200))
+    expect((await storage.inspect('slot-kept')).state).toBe('in-flight')
+    await holding.rollback()
+    const opened = await waitingKept
+    await opened.rollback()
+    await expect(waitingLost).rejects.toThrow(/lease was lost while its request waited/)
+    await (await waitingBare).rollback()
+  })
+
+  it('does not take a renewal that fails for a lost lease while it waits: the transaction opens', async () => {
+    const ahead = await storage.begin('slot-ahead-2', 'fp', 60_000) as { token: string }
+    const holding = await storage.transaction({ request: true, lease: { key: 'slot-ahead-2', token: ahead.token, lockTimeout: 60_000 } })
+    const waiting = await storage.begin('slot-failing', 'fp', 60_000) as { token: string }
+    let failed = 0
+    const renew = storage.renew
+    storage.renew = async () => { failed++; throw new Error('connection reset') }
+    try {
+      const opening = storage.transaction({ request: true, lease: { key: 'slot-failing', token: waiting.token, lockTimeout: 80 } })
+      await new Promise((resolve) => setTimeout(resolve, 200))
+      await holding.rollback()
+      await (await opening).rollback()
+      expect(failed).toBeGreaterThan(0)
+    } finally {
+      storage.renew = renew
+    }
+  })
+})

@@ -130,7 +130,7 @@ export class KnexStorage implements TransactionalStorage {
    */
   async transaction (options: TransactionOptions = {}): Promise<StorageTransaction> {
     if (!this.#started) await this.#start()
-    const release = options.request === true ? await this.#requestSlots.take() : undefined
+    const release = options.request === true ? await this.#requestSlot(options.lease) : undefined
     let opened: OpenedTransaction
     try {
       opened = await openTransaction(this.#dialect, options, this.singleConnection)
@@ -150,6 +150,40 @@ export class KnexStorage implements TransactionalStorage {
       rollback: async () => { if (!trx.isCompleted()) await trx.rollback() },
       ...(renew === undefined ? {} : { renew })
     }
+  }
+
+  /**
+   * A slot for a request's transaction (request-slots.ts), and the lease of its request (taken and
+   * committed by `begin`) kept meanwhile. The plugin renews a lease once its transaction is open;
+   * a request that waits here, for requests ahead of it to end theirs, would lose it after
+   * `lockTimeout`, and a duplicate would take the key over and run the handler while this request
+   * ran it too once its turn came (to be rolled back). So while it waits the store renews it,
+   * every `lockTimeout / 8`, beside, and waits for the renewal in flight before the transaction
+   * opens (a renewal committed after a REPEATABLE READ snapshot would make the transaction's lock
+   * of the row fail). A lease found lost fails the call. Not on a single connection, which the
+   * transaction ahead holds: nothing can be renewed there until it ends.
+   */
+  async #requestSlot (lease: TransactionOptions['lease']): Promise<() => void> {
+    const free = this.#requestSlots.takeFree()
+    if (free !== undefined) return free
+    if (lease === undefined || this.singleConnection) return await this.#requestSlots.take()
+    const { key, token, lockTimeout } = lease
+    let held: Promise<boolean> = Promise.resolve(true)
+    // A renewal that fails (rather than finding the lease gone) is not taken for a lost lease: the
+    // next one, or the transaction's fenced write of the response, decides.
+    const timer = setInterval(() => {
+      held = held.then(async (kept) => kept && await this.renew(key, token, lockTimeout).catch(() => true))
+    }, Math.max(1, Math.floor(lockTimeout / 8)))
+    timer.unref()
+    let release: () => void
+    try {
+      release = await this.#requestSlots.take()
+    } finally {
+      clearInterval(timer)
+    }
+    if (await held) return release
+    release()
+    throw new Error('KnexStorage: the lease was lost while its request waited for a transaction')
   }
 
   /**

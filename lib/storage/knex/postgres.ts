@@ -150,6 +150,14 @@ interface PgStatement {
 const DEADLOCK_CODES = new Set(['40P01', '40001'])
 
 /**
+ * A handler's statement in conflict with another transaction: those, and a lock wait cut short by
+ * `lock_timeout` (55P03: a role's, a database's, or `FOR UPDATE NOWAIT`), as MariaDB's lock wait
+ * timeout (1205) is. Not retried as a statement standing alone: the store's own lock waits are
+ * bounded by `statementTimeout`, and would only wait again.
+ */
+const CONFLICT_CODES = new Set([...DEADLOCK_CODES, '55P03'])
+
+/**
  * The server does not hold a named statement as node-postgres believes it does (26000: no such
  * statement; 42P05: the name is taken): a pooler between them hands each statement to another
  * server connection (PgBouncer in transaction mode before 1.21). Either error comes before the
@@ -206,9 +214,12 @@ export class PostgresDialect extends BaseDialect {
         if (lockBound !== '' && 'andWhereRaw' in query) query.andWhereRaw(lockBound)
         const sent = path.pooled ? query : cancelled(query)
         // Standing alone where the sessions default to REPEATABLE READ or SERIALIZABLE: in a READ
-        // COMMITTED transaction of its own, as `#send` does for the hot statements. A renewal at
-        // the role's SERIALIZABLE recorded its read, and failed as a serialization failure beside
-        // the requests' transactions (the lease then lapsed, or the request was answered 503).
+        // COMMITTED transaction of its own, as `#send` does for the hot statements (the lease's
+        // renewals beside a request, its give-back, a waiter's mark, a purge, the operations). At
+        // the role's SERIALIZABLE each recorded its read of the table, and they failed one another
+        // and the requests' transactions as serialization failures: a renewal that failed lost its
+        // request's lease (answered 503, or the handler run again on the retry), a give-back that
+        // failed left the key locked until the lease lapsed.
         if (!path.strict || (query as { client?: { transacting?: boolean } }).client?.transacting === true) return sent
         return knex.transaction(async (trx) => await sent.transacting(trx), { isolationLevel: 'read committed' }) as unknown as typeof query
       }
@@ -292,12 +303,12 @@ export class PostgresDialect extends BaseDialect {
   }
 
   isConflict (error: unknown): boolean {
-    return this.isDeadlock(error)
+    return CONFLICT_CODES.has(String((error as { code?: unknown } | null)?.code))
   }
 
   /** Notifications carry the key's bytes in base64. */
   async giveBack ({ id, token }: HeldLease): Promise<number> {
-    const { rows } = await this.bound(this.knex.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
+    const { rows } = await this.alone<{ rows: unknown[] }>((db) => db.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
   }
 
@@ -314,7 +325,7 @@ export class PostgresDialect extends BaseDialect {
    * `undefined` when it is not held any more.
    */
   async markWaiting (id: Buffer): Promise<number | undefined> {
-    const { rows } = await this.bound(this.knex.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
+    const { rows } = await this.alone<{ rows: unknown[] }>((db) => db.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
     return rows.length === 0 ? undefined : millis((rows[0] as { remaining: unknown }).remaining)
   }
 

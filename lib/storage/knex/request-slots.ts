@@ -29,8 +29,22 @@ export class RequestSlots {
 
   /** Resolves with the slot's release (idempotent) once one is free. */
   async take (): Promise<() => void> {
-    if (this.#free > 0) this.#free--
-    else await new Promise<void>((resolve) => this.#waiting.push(resolve))
+    return this.takeFree() ?? await this.#wait()
+  }
+
+  /** A slot's release when one is free now, without waiting; `undefined` when none is. */
+  takeFree (): (() => void) | undefined {
+    if (this.#free === 0) return undefined
+    this.#free--
+    return this.#release()
+  }
+
+  async #wait (): Promise<() => void> {
+    await new Promise<void>((resolve) => this.#waiting.push(resolve))
+    return this.#release()
+  }
+
+  #release (): () => void {
     let released = false
     return () => {
       if (released) return
