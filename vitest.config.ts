@@ -31,7 +31,7 @@ const RUNTIME_INDEPENDENT = [
   'cli', 'docs-samples', 'examples', 'diagrams', 'run', 'operations', 'outage', 'hung-store',
   'storage-knex', 'storage-knex-*', 'storage-redis', 'storage-redis-*', 'redis-full', 'redis-drivers',
   'locked-rows-*', 'statement-cancel', 'lease-clock', 'knex-wait-exit', 'transaction-pool*',
-  'transaction-isolation-pg', 'transaction-migration',
+  'transaction-isolation-pg', 'transaction-migration', 'transaction-lock-waits',
   'multiprocess', 'steps-multiprocess', 'clocks', 'recipes-*'
 ].map((name) => `test/${name}.test.ts`)
 
