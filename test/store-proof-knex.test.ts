@@ -22,10 +22,12 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
   const table = `proof_${stamp}`
   const roles: string[] = []
   const instances: Knex[] = []
+  const rlsTables: string[] = []
   beforeAll(async () => { await createIdempotencyTable(admin, table) })
   afterAll(async () => {
     for (const knex of instances) await knex.destroy()
     await dropIdempotencyTable(admin, table)
+    for (const rlsTable of rlsTables) await dropIdempotencyTable(admin, rlsTable)
     for (const role of roles) await admin.raw('DROP OWNED BY ??; DROP ROLE ??', [role, role])
     await admin.destroy()
   })
@@ -68,6 +70,37 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
     expect(checks.map((check) => `${check.name} ${check.outcome}`)).toEqual(['connection passed', 'table passed', 'SELECT passed', 'INSERT passed', 'UPDATE passed', 'DELETE passed'])
   })
 
+  /** A role granted all four on a table of its own with row-level security, and policies for `commands` only. */
+  async function underRowSecurity (commands: string[]): Promise<{ storage: KnexStorage, tableName: string }> {
+    const tableName = `proof_rls_${stamp}_${roles.length}`
+    await createIdempotencyTable(admin, tableName)
+    rlsTables.push(tableName)
+    const storage = await as('', { tableName })
+    const role = roles[roles.length - 1]!
+    await admin.raw('GRANT SELECT, INSERT, UPDATE, DELETE ON ?? TO ??', [tableName, role])
+    await admin.raw('ALTER TABLE ?? ENABLE ROW LEVEL SECURITY', [tableName])
+    for (const command of commands) {
+      await admin.raw(`CREATE POLICY ?? ON ?? FOR ${command} TO ?? ${command === 'INSERT' ? 'WITH CHECK (true)' : 'USING (true)'}`, [`p_${command.toLowerCase()}`, tableName, role])
+    }
+    return { storage, tableName }
+  }
+
+  it('row-level security without a policy for UPDATE (PostgreSQL updates no row, and says nothing) fails the start at the UPDATE', async () => {
+    const { storage, tableName } = await underRowSecurity(['SELECT', 'INSERT', 'DELETE'])
+    expect(await startError(storage)).toBe(`fastify-idempotency: the store cannot work: KnexStorage: UPDATE on the table "${tableName}" changed no row: the probe row inserted just before was not found (row-level security is on for the table: no policy lets this role update its rows?): ` +
+      `give the app's role row-level security policies on "${tableName}" for SELECT, INSERT, UPDATE and DELETE of every row (USING (true)), or exempt it (BYPASSRLS): without it no response is stored, and each key stays locked (checkStore: false starts the app anyway)`)
+  })
+
+  it('row-level security without a policy for DELETE fails the start at the DELETE', async () => {
+    const { storage, tableName } = await underRowSecurity(['SELECT', 'INSERT', 'UPDATE'])
+    expect(await startError(storage)).toMatch(new RegExp(`KnexStorage: DELETE on the table "${tableName}" changed no row: the probe row inserted just before was not found \\(row-level security is on for the table: no policy lets this role delete its rows\\?\\)`))
+  })
+
+  it('row-level security with a policy for every command starts', async () => {
+    const { storage } = await underRowSecurity(['SELECT', 'INSERT', 'UPDATE', 'DELETE'])
+    expect(await startError(storage)).toBeNull()
+  })
+
   it('createTable on a role without CREATE on the schema fails with the server\'s reason, not the statement\'s first line', async () => {
     const error = await startError(await as('', { tableName: `proof_new_${stamp}`, createTable: true }))
     expect(error).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the table "proof_new_${stamp}" cannot be created: permission denied for schema public (42501): ` +
@@ -107,6 +140,11 @@ describe.skipIf(!mariadb.available)(`KnexStorage's start-up proof on MariaDB use
     expect(await startError(await as('SELECT'))).toMatch(/KnexStorage: INSERT on the table "proof_.*" was refused: INSERT command denied to user 'idem_[^']*'@'[^']*' for table `test`\.`proof_[^`]*` \(ER_TABLEACCESS_DENIED_ERROR\): grant the app's role SELECT, INSERT, UPDATE and DELETE/)
   })
 
+  it('a user granted all it needs starts: its UPDATE and DELETE each found the probe row', async () => {
+    const checks = await (await as('SELECT, INSERT, UPDATE, DELETE')).prove({ wait: false })
+    expect(checks.map((check) => `${check.name} ${check.outcome}`)).toEqual(['connection passed', 'table passed', 'SELECT passed', 'INSERT passed', 'UPDATE passed', 'DELETE passed'])
+  })
+
   it('a user without DELETE fails the start at the DELETE', async () => {
     expect(await startError(await as('SELECT, INSERT, UPDATE'))).toMatch(/KnexStorage: DELETE on the table "proof_.*" was refused: DELETE command denied to user /)
   })
@@ -129,6 +167,22 @@ describe('KnexStorage\'s start-up proof on a SQLite file opened read-only', () =
   afterAll(async () => {
     for (const knex of instances) await knex.destroy()
     rmSync(dir, { recursive: true, force: true })
+  })
+
+  it('a writable file passes every check: its UPDATE and DELETE each found the probe row', async () => {
+    const writer = knexFactory({ client: 'better-sqlite3', connection: { filename: join(dir, 'writable.sqlite') }, useNullAsDefault: true })
+    instances.push(writer)
+    const checks = await new KnexStorage({ knex: writer, tableName: 'keys', createTable: true }).prove({ wait: false })
+    expect(checks.map((check) => `${check.name} ${check.outcome}`)).toEqual(['connection passed', 'table passed', 'SELECT passed', 'INSERT passed', 'UPDATE passed', 'DELETE passed'])
+  })
+
+  it('a trigger that silently skips deletes (RAISE(IGNORE)) fails the start at the DELETE', async () => {
+    const writer = knexFactory({ client: 'better-sqlite3', connection: { filename: join(dir, 'ignoring.sqlite') }, useNullAsDefault: true })
+    instances.push(writer)
+    await createIdempotencyTable(writer, 'keys')
+    await writer.raw('CREATE TRIGGER keep_keys BEFORE DELETE ON keys BEGIN SELECT RAISE(IGNORE); END')
+    expect(await startError(new KnexStorage({ knex: writer, tableName: 'keys' }))).toBe('fastify-idempotency: the store cannot work: KnexStorage: DELETE on the table "keys" changed no row: ' +
+      'the probe row inserted just before was not found (a trigger or a policy that hides rows from this role?): let the app\'s role delete every row of "keys": without it a failed request\'s key stays locked until lockTimeout (checkStore: false starts the app anyway)')
   })
 
   it('fails the start at the INSERT', async () => {

@@ -14,6 +14,7 @@ import type { Knex } from 'knex'
 import { beforeAbort, driverReason, failed, passed } from '../proof.js'
 import type { StoreCheck, StoreProofOptions } from '../types.js'
 import type { Dialect } from './dialect.js'
+import { quotedName } from './schema.js'
 
 export interface KnexProofContext {
   dialect: Dialect
@@ -132,6 +133,8 @@ async function writes (dialect: Dialect): Promise<StoreCheck[]> {
   const { knex, table } = dialect
   const id = Buffer.concat([Buffer.from([0xff]), randomBytes(15)])
   const checks: StoreCheck[] = []
+  // UPDATE and DELETE must each find the probe row: under row-level security without a policy for
+  // them, PostgreSQL changes no row and says nothing, and every response would go unstored.
   const statements: Array<[string, (trx: Knex.Transaction) => Promise<unknown>, string]> = [
     ['INSERT', (trx) => trx(table).insert({ idempotency_key: id, fingerprint: 'start-up proof', state: 'in_flight', token: 'start-up proof', lease_end: 1, expires_at: 1 }), 'a lease can be taken'],
     ['UPDATE', (trx) => trx(table).where('idempotency_key', id).update({
@@ -153,7 +156,11 @@ async function writes (dialect: Dialect): Promise<StoreCheck[]> {
   try {
     for (const [name, statement, says] of statements) {
       try {
-        await trx.transaction(async (savepoint) => { await statement(savepoint) })
+        const changed = await trx.transaction(async (savepoint) => await statement(savepoint))
+        if (name !== 'INSERT' && Number(changed) !== 1) {
+          checks.push(await unchanged(name, dialect, trx))
+          continue
+        }
         checks.push(passed(name, `${says} (rolled back)`))
       } catch (error) {
         checks.push(statementFailure(name, driverFailure(error), table))
@@ -163,6 +170,26 @@ async function writes (dialect: Dialect): Promise<StoreCheck[]> {
     await trx.rollback().catch(() => {})
   }
   return checks
+}
+
+/**
+ * An UPDATE or DELETE of the probe row, just inserted, that changed no row: on PostgreSQL, a table
+ * with row-level security and no policy that lets the role change its rows (said when it is on).
+ */
+async function unchanged (name: string, dialect: Dialect, trx: Knex.Transaction): Promise<StoreCheck> {
+  const { table } = dialect
+  const verb = name === 'UPDATE' ? 'update' : 'delete'
+  let secured = false
+  if (dialect.name === 'postgres') {
+    const { rows } = await trx.raw('SELECT relrowsecurity AS secured FROM pg_class WHERE oid = to_regclass(?)', [quotedName(table)]).catch(() => ({ rows: [] }))
+    secured = (rows as Array<{ secured: boolean }>)[0]?.secured === true
+  }
+  const why = secured ? `row-level security is on for the table: no policy lets this role ${verb} its rows?` : 'a trigger or a policy that hides rows from this role?'
+  const outcome = name === 'UPDATE' ? 'no response is stored, and each key stays locked' : 'a failed request\'s key stays locked until lockTimeout'
+  return failed(name, `${name} on the table "${table}" changed no row: the probe row inserted just before was not found (${why})`,
+    secured
+      ? `give the app's role row-level security policies on "${table}" for SELECT, INSERT, UPDATE and DELETE of every row (USING (true)), or exempt it (BYPASSRLS): without it ${outcome}`
+      : `let the app's role ${verb} every row of "${table}": without it ${outcome}`)
 }
 
 /** PostgreSQL: why it refuses writes, as it says. */
