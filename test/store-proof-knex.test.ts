@@ -11,6 +11,7 @@ import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
 import knexFactory, { type Knex } from 'knex'
 import { KnexStorage, createIdempotencyTable, dropIdempotencyTable } from '../lib/knex.js'
+import { expiryIndexName } from '../lib/storage/knex/schema.js'
 import { startError } from './helpers/start-error.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service } from './helpers/services.js'
 
@@ -101,6 +102,20 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
     expect(await startError(storage)).toBeNull()
   })
 
+  it('createTable on a role without CREATE, whose table a migration made, starts: the table is there', async () => {
+    expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { createTable: true }))).toBeNull()
+  })
+
+  it('createTable on a table that is there adds only the expiry index it lacks', async () => {
+    const tableName = `proof_index_${stamp}`
+    rlsTables.push(tableName)
+    await createIdempotencyTable(admin, tableName)
+    await admin.raw('DROP INDEX ??', [expiryIndexName(tableName)])
+    await createIdempotencyTable(admin, tableName)
+    const { rows } = await admin.raw('SELECT indexname FROM pg_indexes WHERE tablename = ? ORDER BY indexname', [tableName])
+    expect(rows.map((row: { indexname: string }) => row.indexname)).toEqual([`${tableName}_expires_idx`, `${tableName}_in_flight_idx`, `${tableName}_pkey`])
+  })
+
   it('createTable on a role without CREATE on the schema fails with the server\'s reason, not the statement\'s first line', async () => {
     const error = await startError(await as('', { tableName: `proof_new_${stamp}`, createTable: true }))
     expect(error).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the table "proof_new_${stamp}" cannot be created: permission denied for schema public (42501): ` +
@@ -152,6 +167,10 @@ describe.skipIf(!mariadb.available)(`KnexStorage's start-up proof on MariaDB use
   it('a session whose transactions are read-only fails the start, saying so', async () => {
     const readOnly = { pool: { afterCreate: (connection: { query: (sql: string, done: (error: Error | null) => void) => void }, done: (error: Error | null, connection: unknown) => void) => { connection.query('SET SESSION TRANSACTION READ ONLY', (error) => { done(error, connection) }) } } }
     expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { config: readOnly }))).toMatch(/KnexStorage: INSERT on the table "proof_.*" was refused: Cannot execute statement in a READ ONLY transaction.*: the database is read-only to this connection/)
+  })
+
+  it('createTable for a user without CREATE, whose table a migration made, starts: the table is there', async () => {
+    expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { createTable: true }))).toBeNull()
   })
 
   it('createTable for a user without CREATE fails with the server\'s reason', async () => {

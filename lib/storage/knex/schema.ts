@@ -169,10 +169,19 @@ export async function createIdempotencyTable (knex: Knex, tableName: string = DE
     await knex.transaction(async (trx) => {
       await trx.raw('SELECT pg_advisory_xact_lock(?::integer, ?::integer)', [ADVISORY_NAMESPACE, advisoryKey(tableName)])
       const { rows: existing } = await trx.raw('SELECT to_regclass(?) AS found', [quotedName(tableName)])
-      await trx.raw(POSTGRES_TABLE, [tableName])
-      await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
-      // Only with a new table: building it on a full one blocks writes (see `createInFlightIndex`).
-      if (existing[0].found === null) await trx.raw(IN_FLIGHT_INDEX, [inFlightIndexName(tableName), tableName])
+      if (existing[0].found === null) {
+        await trx.raw(POSTGRES_TABLE, [tableName])
+        await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+        // Only with a new table: building it on a full one blocks writes (see `createInFlightIndex`).
+        await trx.raw(IN_FLIGHT_INDEX, [inFlightIndexName(tableName), tableName])
+      } else {
+        // A table that is there is left alone (PostgreSQL checks CREATE on the schema before IF NOT
+        // EXISTS finds the table, and an app's role granted only its rows may run this at start);
+        // only an expiry index it lacks is added.
+        const { rows: indexed } = await trx.raw('SELECT 1 FROM pg_index JOIN pg_class ON pg_class.oid = pg_index.indexrelid WHERE pg_index.indrelid = ?::regclass AND pg_class.relname = ?',
+          [quotedName(tableName), index])
+        if (indexed.length === 0) await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+      }
       // A table created before `waiting` existed gets it. Only when it is missing: ALTER TABLE
       // takes an ACCESS EXCLUSIVE lock even when IF NOT EXISTS then finds the column, and every
       // process start would queue all requests behind it. (A constant default costs no rewrite.)
@@ -181,6 +190,10 @@ export async function createIdempotencyTable (knex: Knex, tableName: string = DE
       if (rows.length === 0) await trx.raw('ALTER TABLE ?? ADD COLUMN IF NOT EXISTS waiting boolean NOT NULL DEFAULT false', [tableName])
     })
   } else if (dialect === 'mysql') {
+    // A table that is there is left alone: MySQL checks CREATE before IF NOT EXISTS finds the
+    // table, and an app's user granted only its rows may run this at start.
+    const [rows] = await knex.raw('SELECT 1 FROM information_schema.tables WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?', [schema ?? null, base])
+    if ((rows as unknown[]).length > 0) return
     // One statement with the index inline: MySQL DDL is not transactional, and a separate
     // CREATE INDEX would fail for the second of two racing creators.
     await knex.raw(MYSQL_TABLE, [tableName, index, inFlightIndexName(tableName)])
