@@ -12,6 +12,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import { Redis } from 'ioredis'
 import { createClient } from 'redis'
+import { GlideClient } from '@valkey/valkey-glide'
 import idempotency, { idempotencyErrorHandler, type IdempotencyOptions, type IdempotencyStoreCheckEvent } from '../lib/index.js'
 import { RedisStorage, type RedisStorageOptions } from '../lib/redis.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
@@ -112,6 +113,16 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     const app = await started(storage(await userClient('-evalsha')))
     expect(app.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: EVALSHA of the renew script was refused: NOPERM .*evalsha.*: allow EVAL and EVALSHA in the ACL of the client's Redis user \(\+eval \+evalsha\)/)
     expect(app.error).not.toContain('\n')
+  })
+
+  it('through Valkey GLIDE (which names NOPERM "PermissionDenied"), a user without EVALSHA fails the start naming EVALSHA, not an unreachable Redis', async () => {
+    const name = `user${++users}`
+    await admin.call('ACL', 'SETUSER', name, 'on', '>secret', '~*', '&*', '+@all', '-evalsha')
+    const client = await GlideClient.createClient({ addresses: [{ host: '127.0.0.1', port: server.port }], credentials: { username: name, password: 'secret' } })
+    clients.push({ quit: async () => { client.close() } })
+    const app = await started(storage(client as unknown as RedisStorageOptions['client']), { wait: true })
+    expect(app.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: EVALSHA of the renew script was refused: .*PermissionDenied: this user has no permissions to run the 'evalsha' command: allow EVAL and EVALSHA in the ACL of the client's Redis user \(\+eval \+evalsha\)/)
+    expect(app.error).toMatch(/\(and 2 more checks failed: wait-mark script, complete and release script\)/)
   })
 
   it('a user with the ACL docs/stores/redis.md gives passes every check, and serves', async () => {

@@ -12,6 +12,26 @@
 import { nodeReplies, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
+/**
+ * The kinds of Redis answers GLIDE's core names in its messages, as Redis's own codes (GLIDE drops
+ * the code: `- PermissionDenied: this user has no permissions ...` for `NOPERM this user ...`).
+ * The kinds it names that are no answer (IoError, ClientError...) are left out.
+ */
+const GLIDE_KINDS = new Map([
+  ['NoScriptError', 'NOSCRIPT'],
+  ['PermissionDenied', 'NOPERM'],
+  ['ReadOnly', 'READONLY'],
+  ['BusyLoadingError', 'LOADING'],
+  ['ExecAbortError', 'EXECABORT'],
+  ['TryAgain', 'TRYAGAIN'],
+  ['ClusterDown', 'CLUSTERDOWN'],
+  ['CrossSlot', 'CROSSSLOT'],
+  ['MasterDown', 'MASTERDOWN'],
+  ['NotBusy', 'NOTBUSY'],
+  ['Moved', 'MOVED'],
+  ['Ask', 'ASK']
+])
+
 /** GLIDE's `Decoder.Bytes` and `ProtocolVersion.RESP3`, by value (the package is not a dependency). */
 const BYTES = 0
 const RESP3 = 0
@@ -129,8 +149,7 @@ export class GlideDriver implements RedisDriver {
     if (!(error instanceof Error) || error.name !== 'RequestError') return null
     const named = /^An error was signalled by the server: - (\w+): (.*)$/s.exec(error.message)
     if (named === null) return /^[A-Z]+\b/.exec(error.message)?.[0] ?? null
-    if (named[1] === 'NoScriptError') return 'NOSCRIPT'
     if (named[1] === 'ResponseError' || named[1] === 'ExtensionError') return /^[A-Z]+\b/.exec(named[2]!)?.[0] ?? named[1]
-    return null
+    return GLIDE_KINDS.get(named[1]!) ?? null
   }
 }
