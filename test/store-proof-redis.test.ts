@@ -271,6 +271,31 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     }
   })
 
+  it('a Redis that stops answering (paused: a hung host, a long script) fails the start with one line saying it did not answer, once connected or not', async () => {
+    const paused = await startRedisServer(['--save', '', '--appendonly', 'no'])
+    const probe = new Redis({ port: paused.port })
+    const pid = Number(/process_id:(\d+)/.exec(await probe.info('server'))![1])
+    await probe.quit()
+    const connectedFirst = new Redis({ port: paused.port, maxRetriesPerRequest: 1 })
+    await connectedFirst.ping()
+    process.kill(pid, 'SIGSTOP')
+    try {
+      const app = await started(storage(connectedFirst), { storeTimeout: 500 })
+      expect(app.error).toBe('fastify-idempotency: the store cannot work: RedisStorage: Redis did not answer through the ioredis client: SET … PX … NX GET: no answer before the proof\'s time was up: ' +
+        'check that Redis answers (a server paused or overloaded, a long script or command that blocks it, a network that drops packets), and the client\'s host, port, TLS and credentials (checkStore: false starts the app anyway)')
+      // Connected by the kernel's backlog, never answered: not the same as a refused connection.
+      const neverAnswered = new Redis({ port: paused.port })
+      neverAnswered.on('error', () => {})
+      const later = await started(storage(neverAnswered), { storeTimeout: 500 })
+      expect(later.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: Redis did not answer through the ioredis client: the ioredis client connected, but Redis did not answer before the time was up: check that Redis answers/)
+      neverAnswered.disconnect()
+    } finally {
+      process.kill(pid, 'SIGCONT')
+      connectedFirst.disconnect()
+      await paused.stop()
+    }
+  })
+
   it('ioredis without an offline queue, still connecting when the app starts, is waited for', async () => {
     const client = new Redis({ port: server.port, enableOfflineQueue: false })
     clients.push(client)

@@ -18,7 +18,7 @@ import { beforeAbort, failed, messageOf, passed, ProofAbortedError, warning } fr
 import type { TokenGenerator } from '../tokens.js'
 import type { StoreCheck, StoreProofOptions } from '../types.js'
 import { encodeEntry, encodeLease, fenceOf } from './codec.js'
-import type { CommandArg, RedisDriver, Subscription } from './driver.js'
+import { SilentServerError, type CommandArg, type RedisDriver, type Subscription } from './driver.js'
 import { channelOf } from './keys.js'
 import { END_LEASE, MARK_WAITING, RENEW, type Script, type ScriptForm } from './scripts.js'
 import { evictionCheck, persistenceCheck } from './server-settings.js'
@@ -141,6 +141,7 @@ class Proof {
       if (!name.endsWith('(again)')) this.checks.push(passed(name, 'begin takes a lease this way'))
       return token
     } catch (error) {
+      if (error instanceof Unreachable) throw error
       this.checks.push(this.#setRefused(name, error))
       return null
     }
@@ -162,6 +163,7 @@ class Proof {
       await this.#send(this.#driver.call(command, this.#key, args), name)
       this.checks.push(passed(name, why))
     } catch (error) {
+      if (error instanceof Unreachable) throw error
       this.checks.push(failed(name, `${name} was refused: ${messageOf(error)}`, `allow ${name} in the ACL of the client's Redis user (+${command}): ${why}`))
     }
   }
@@ -187,6 +189,7 @@ class Proof {
     try {
       answer = Number(await this.#send(this.#driver.script(script, this.#key, args, form), shown))
     } catch (error) {
+      if (error instanceof Unreachable) throw error
       const reason = messageOf(error)
       const code = this.#driver.replyCode(error)
       if (code === 'NOPERM') {
@@ -258,9 +261,19 @@ class Proof {
     }
   }
 
+  /**
+   * Nothing more can be proven: Redis refused the connection, or took it and answered nothing (a
+   * command past the proof's time, a client connected and never ready), which is said apart.
+   */
   #unreachable (error: unknown): never {
-    this.checks.push(failed('connection', `Redis cannot be reached through the ${this.#driver.family} client: ${messageOf(error)}`,
-      'check that Redis runs, and the client\'s host, port, TLS and credentials'))
+    const family = this.#driver.family
+    if (error instanceof ProofAbortedError || error instanceof SilentServerError) {
+      this.checks.push(failed('connection', `Redis did not answer through the ${family} client: ${messageOf(error)}`,
+        'check that Redis answers (a server paused or overloaded, a long script or command that blocks it, a network that drops packets), and the client\'s host, port, TLS and credentials'))
+    } else {
+      this.checks.push(failed('connection', `Redis cannot be reached through the ${family} client: ${messageOf(error)}`,
+        'check that Redis runs, and the client\'s host, port, TLS and credentials'))
+    }
     throw new Unreachable()
   }
 }
