@@ -8,6 +8,9 @@
  * connecting (ioredis without an offline queue, node-redis before `connect()` resolves) is waited for.
  */
 import diagnostics from 'node:diagnostics_channel'
+import { mkdtemp, rm } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import { Redis } from 'ioredis'
@@ -293,6 +296,37 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
       process.kill(pid, 'SIGCONT')
       connectedFirst.disconnect()
       await paused.stop()
+    }
+  })
+
+  it('a Redis that refuses writes for a reason of its own (NOREPLICAS, MISCONF) fails the start with the cure for that reason, not an upgrade', async () => {
+    const dir = await mkdtemp(join(tmpdir(), 'idem-misconf-'))
+    const refusing = await startRedisServer(['--min-replicas-to-write', '1', '--enable-protected-configs', 'yes'])
+    const client = new Redis({ port: refusing.port, maxRetriesPerRequest: 1 })
+    try {
+      const noReplicas = await started(storage(client))
+      expect(noReplicas.error).toBe('fastify-idempotency: the store cannot work: RedisStorage: Redis refuses writes while it has fewer replicas than min-replicas-to-write: NOREPLICAS Not enough good replicas to write.: ' +
+        'bring its replicas back, or lower min-replicas-to-write: every request writes its key (checkStore: false starts the app anyway)')
+      // A snapshot that cannot be written (its directory gone): Redis stops taking writes.
+      await client.call('CONFIG', 'SET', 'min-replicas-to-write', '0', 'dir', dir, 'save', '3600 1')
+      await rm(dir, { recursive: true })
+      await client.call('BGSAVE')
+      while (!/rdb_last_bgsave_status:err/.test(await client.info('persistence'))) await new Promise((resolve) => setTimeout(resolve, 20))
+      const misconf = await started(storage(client))
+      expect(misconf.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: Redis refuses writes since it failed to save a snapshot: MISCONF .*: fix what keeps it from saving \(its log says\), or set stop-writes-on-bgsave-error no: every request writes its key/)
+      // A script that runs on: past busy-reply-threshold, Redis answers BUSY to everything else.
+      await client.call('CONFIG', 'SET', 'save', '', 'busy-reply-threshold', '50')
+      const blocker = new Redis({ port: refusing.port })
+      blocker.eval('while true do end', 0).catch(() => {})
+      await new Promise((resolve) => setTimeout(resolve, 200))
+      const busy = await started(storage(client))
+      expect(busy.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: Redis is busy running a script: BUSY .*: end the script \(SCRIPT KILL, or FUNCTION KILL\) or wait for it/)
+      await client.call('SCRIPT', 'KILL')
+      blocker.disconnect()
+    } finally {
+      client.disconnect()
+      await refusing.stop()
+      await rm(dir, { recursive: true, force: true })
     }
   })
 

@@ -153,8 +153,12 @@ class Proof {
     if (code === 'NOPERM') return failed(name, `SET was refused: ${reason}`, `allow SET and GET on the keys under "${this.#context.prefix}" in the ACL of the client's Redis user (+set +get ~${this.#driver.keyPrefix}${this.#context.prefix}*): every request begins with it`)
     if (code === 'READONLY') return failed(name, `the server is a read-only replica: ${reason}`, 'point the client at the primary: every request writes its key')
     if (code === 'OOM') return failed(name, `Redis is full: ${reason}`, 'free memory or raise maxmemory: no new key can be taken until then')
+    const writes = 'every request writes its key'
+    if (code === 'NOREPLICAS') return failed(name, `Redis refuses writes while it has fewer replicas than min-replicas-to-write: ${reason}`, `bring its replicas back, or lower min-replicas-to-write: ${writes}`)
+    if (code === 'MISCONF') return failed(name, `Redis refuses writes since it failed to save a snapshot: ${reason}`, `fix what keeps it from saving (its log says), or set stop-writes-on-bgsave-error no: ${writes}`)
+    if (code === 'BUSY') return failed(name, `Redis is busy running a script: ${reason}`, 'end the script (SCRIPT KILL, or FUNCTION KILL) or wait for it: Redis answers nothing else meanwhile')
     if (/syntax/i.test(reason)) return failed(name, `the server refuses SET with NX and GET together: ${reason}`, 'use Redis 7.0 or later, or Valkey')
-    return failed(name, `the server refuses SET … PX … NX GET: ${reason}`, 'use Redis 7.0 or later, or Valkey, with the SET command allowed')
+    return failed(name, `the server refuses SET … PX … NX GET: ${reason}`, 'Redis\'s reason says what to change: every request begins with this command')
   }
 
   /** A plain command on the probe, said passed or refused. */
