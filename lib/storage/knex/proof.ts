@@ -55,6 +55,13 @@ const shownCode = ({ code }: DriverFailure): string => code === undefined ? '' :
 
 const READ_ONLY_CURE = 'the database is read-only to this connection: give the app the primary\'s address (not a reader endpoint or a standby), and no read-only default for its role or database (default_transaction_read_only, transaction_read_only)'
 
+/** How to cure a database that refuses writes, on each dialect. */
+const READ_ONLY_CURES: Record<Dialect['name'], string> = {
+  postgres: READ_ONLY_CURE,
+  mysql: 'the database is read-only to this connection: give the app the primary\'s address (not a reader endpoint or a replica), and no read-only default for its user or session (transaction_read_only, read_only)',
+  sqlite: 'the SQLite file is read-only to this process: open it without readonly: true, and let the process write the file and its directory (SQLite writes its journal beside the file)'
+}
+
 export async function proveKnex ({ dialect, start }: KnexProofContext, { signal }: StoreProofOptions): Promise<StoreCheck[]> {
   const checks: StoreCheck[] = []
   const { knex, table } = dialect
@@ -83,9 +90,9 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
       checks.push(tableFailure(failure, table))
       return checks
     }
-    checks.push(passed('table', `"${table}" is there`), statementFailure('SELECT', failure, table))
+    checks.push(passed('table', `"${table}" is there`), statementFailure('SELECT', failure, table, dialect.name))
   }
-  checks.push(...await step('INSERT, UPDATE, DELETE', () => writes(dialect)).catch((error: unknown) => [statementFailure('INSERT', driverFailure(error), table)]))
+  checks.push(...await step('INSERT, UPDATE, DELETE', () => writes(dialect)).catch((error: unknown) => [statementFailure('INSERT', driverFailure(error), table, dialect.name)]))
   const refused = checks.find((check) => check.cure === READ_ONLY_CURE)
   if (refused !== undefined && dialect.name === 'postgres') refused.found += await step('read-only', () => whyReadOnly(knex)).catch(() => '')
   return checks
@@ -113,10 +120,10 @@ function tableFailure (failure: DriverFailure, table: string): StoreCheck {
   return failed('table', `the database cannot be used: ${failure.reason}${shownCode(failure)}`, 'check the role\'s rights on the database and the table, and tableName')
 }
 
-function statementFailure (statement: string, failure: DriverFailure, table: string): StoreCheck {
+function statementFailure (statement: string, failure: DriverFailure, table: string, dialect: Dialect['name']): StoreCheck {
   const found = `${statement} on the table "${table}" was refused: ${failure.reason}${shownCode(failure)}`
   if (readOnly(failure)) {
-    return failed(statement, found, READ_ONLY_CURE)
+    return failed(statement, found, READ_ONLY_CURES[dialect])
   }
   if (deniedPrivilege(failure)) {
     return failed(statement, found, `grant the app's role SELECT, INSERT, UPDATE and DELETE on "${table}": every request writes its key there, and gives it back with a DELETE`)
@@ -163,7 +170,7 @@ async function writes (dialect: Dialect): Promise<StoreCheck[]> {
         }
         checks.push(passed(name, `${says} (rolled back)`))
       } catch (error) {
-        checks.push(statementFailure(name, driverFailure(error), table))
+        checks.push(statementFailure(name, driverFailure(error), table, dialect.name))
       }
     }
   } finally {
