@@ -106,6 +106,13 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
     expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { createTable: true }))).toBeNull()
   })
 
+  it('a role whose search_path misses the table\'s schema fails the start naming the search_path and where the table is', async () => {
+    const storage = await as('SELECT, INSERT, UPDATE, DELETE')
+    await admin.raw('ALTER ROLE ?? SET search_path = \'\'', [roles[roles.length - 1]!])
+    expect(await startError(storage)).toBe(`fastify-idempotency: the store cannot work: KnexStorage: the table "${table}" is not in a schema on the connection's search_path ("") but in "public": ` +
+      `give tableName its schema ("public.${table}"), or give the app's role a search_path that holds it (ALTER ROLE ... SET search_path) (checkStore: false starts the app anyway)`)
+  })
+
   it('createTable on a table that is there adds only the expiry index it lacks', async () => {
     const tableName = `proof_index_${stamp}`
     rlsTables.push(tableName)

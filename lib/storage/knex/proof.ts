@@ -87,7 +87,8 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
     const failure = driverFailure(error)
     // Without createTable, nothing was created: the read is the first to find the table missing.
     if (missingTable(failure)) {
-      checks.push(tableFailure(failure, table))
+      const elsewhere = dialect.name === 'postgres' && !table.includes('.') ? await step('search_path', () => offSearchPath(knex, table)).catch(() => null) : null
+      checks.push(elsewhere ?? tableFailure(failure, table))
       return checks
     }
     checks.push(passed('table', `"${table}" is there`), statementFailure('SELECT', failure, table, dialect.name))
@@ -197,6 +198,18 @@ async function unchanged (name: string, dialect: Dialect, trx: Knex.Transaction)
     secured
       ? `give the app's role row-level security policies on "${table}" for SELECT, INSERT, UPDATE and DELETE of every row (USING (true)), or exempt it (BYPASSRLS): without it ${outcome}`
       : `let the app's role ${verb} every row of "${table}": without it ${outcome}`)
+}
+
+/**
+ * PostgreSQL: an unqualified table that is not found may be in a schema the connection's
+ * search_path leaves out (a role hardened with search_path = ''): said, with where it is.
+ */
+async function offSearchPath (knex: Knex, table: string): Promise<StoreCheck | null> {
+  const { rows } = await knex.raw("SELECT current_setting('search_path') AS path, array(SELECT table_schema::text FROM information_schema.tables WHERE table_name = ? ORDER BY 1) AS schemas", [table])
+  const { path, schemas } = rows[0] as { path: string, schemas: string[] }
+  if (schemas.length === 0) return null
+  return failed('table', `the table "${table}" is not in a schema on the connection's search_path (${path}) but in ${schemas.map((schema) => `"${schema}"`).join(', ')}`,
+    `give tableName its schema ("${schemas[0]}.${table}"), or give the app's role a search_path that holds it (ALTER ROLE ... SET search_path)`)
 }
 
 /** PostgreSQL: why it refuses writes, as it says. */
