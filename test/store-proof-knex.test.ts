@@ -176,6 +176,12 @@ describe.skipIf(!mariadb.available)(`KnexStorage's start-up proof on MariaDB use
     expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { config: readOnly }))).toMatch(/KnexStorage: INSERT on the table "proof_.*" was refused: Cannot execute statement in a READ ONLY transaction.*: the database is read-only to this connection: give the app the primary's address \(not a reader endpoint or a replica\), and no read-only default for its user or session \(transaction_read_only, read_only\)/)
   })
 
+  it('sessions with autocommit off (init_connect or a pool hook) fail the start: no write of the store would ever be committed', async () => {
+    const autocommitOff = { pool: { afterCreate: (connection: { query: (sql: string, done: (error: Error | null) => void) => void }, done: (error: Error | null, connection: unknown) => void) => { connection.query('SET autocommit = 0', (error) => { done(error, connection) }) } } }
+    expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { config: autocommitOff }))).toBe('fastify-idempotency: the store cannot work: KnexStorage: autocommit is off on the store\'s connections (@@autocommit = 0): ' +
+      'no lease or response it writes would be committed, and a duplicate on another connection would wait on its row until storeTimeout: turn it on for the app\'s connections (the server\'s autocommit or init_connect, or the pool\'s afterCreate) (checkStore: false starts the app anyway)')
+  })
+
   it('createTable for a user without CREATE, whose table a migration made, starts: the table is there', async () => {
     expect(await startError(await as('SELECT, INSERT, UPDATE, DELETE', { createTable: true }))).toBeNull()
   })

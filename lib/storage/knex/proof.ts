@@ -74,6 +74,13 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
     return [failed('connection', `the database cannot be used: ${failure.reason}${shownCode(failure)}`,
       'check that the database runs, and the connection settings knex was given (host, port, user, password, database)')]
   }
+  if (dialect.name === 'mysql') {
+    const autocommit = await step('autocommit', () => autocommitOf(knex)).catch(() => null)
+    if (autocommit === 0) {
+      checks.push(failed('autocommit', 'autocommit is off on the store\'s connections (@@autocommit = 0): no lease or response it writes would be committed, and a duplicate on another connection would wait on its row until storeTimeout',
+        'turn it on for the app\'s connections (the server\'s autocommit or init_connect, or the pool\'s afterCreate)'))
+    }
+  }
   try {
     await step('table', start)
   } catch (error) {
@@ -210,6 +217,16 @@ async function offSearchPath (knex: Knex, table: string): Promise<StoreCheck | n
   if (schemas.length === 0) return null
   return failed('table', `the table "${table}" is not in a schema on the connection's search_path (${path}) but in ${schemas.map((schema) => `"${schema}"`).join(', ')}`,
     `give tableName its schema ("${schemas[0]}.${table}"), or give the app's role a search_path that holds it (ALTER ROLE ... SET search_path)`)
+}
+
+/**
+ * MySQL/MariaDB: autocommit on a pooled connection (the pool's own hooks applied). The store's
+ * statements outside a request's transaction rely on it: with it off, each would stay uncommitted,
+ * holding its row, until the connection ends.
+ */
+async function autocommitOf (knex: Knex): Promise<number> {
+  const [rows] = await knex.raw('SELECT @@autocommit AS autocommit')
+  return Number((rows as Array<{ autocommit: unknown }>)[0]!.autocommit)
 }
 
 /** PostgreSQL: why it refuses writes, as it says. */
