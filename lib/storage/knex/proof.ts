@@ -18,8 +18,8 @@ import { quotedName } from './schema.js'
 
 export interface KnexProofContext {
   dialect: Dialect
-  /** The storage's start: its table (with `createTable`), and what the server can do. */
-  start: () => Promise<void>
+  /** The storage's start: its table (with `createTable`), and what the server can do; whether it made the table now. */
+  start: () => Promise<boolean>
 }
 
 /** A driver's error, as the proof reads it: the server's own words and code. */
@@ -81,15 +81,16 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
         'turn it on for the app\'s connections (the server\'s autocommit or init_connect, or the pool\'s afterCreate)'))
     }
   }
+  let created: boolean
   try {
-    await step('table', start)
+    created = await step('table', start)
   } catch (error) {
     checks.push(tableFailure(driverFailure(error), table))
     return checks
   }
   try {
     await step('SELECT', () => dialect.readEntry(Buffer.alloc(0)))
-    checks.push(passed('table', `"${table}" is there`), passed('SELECT', 'an entry can be read'))
+    checks.push(passed('table', created ? `"${table}" was missing: created now (createTable: true), as the app does at its start` : `"${table}" is there`), passed('SELECT', 'an entry can be read'))
   } catch (error) {
     const failure = driverFailure(error)
     // Without createTable, nothing was created: the read is the first to find the table missing.
@@ -98,7 +99,7 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
       checks.push(elsewhere ?? tableFailure(failure, table))
       return checks
     }
-    checks.push(passed('table', `"${table}" is there`), statementFailure('SELECT', failure, table, dialect.name))
+    checks.push(passed('table', created ? `"${table}" was missing: created now (createTable: true), as the app does at its start` : `"${table}" is there`), statementFailure('SELECT', failure, table, dialect.name))
   }
   checks.push(...await step('INSERT, UPDATE, DELETE', () => writes(dialect)).catch((error: unknown) => [statementFailure('INSERT', driverFailure(error), table, dialect.name)]))
   const refused = checks.find((check) => check.cure === READ_ONLY_CURE)
