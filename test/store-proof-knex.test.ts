@@ -5,7 +5,8 @@
  * MariaDB session and a read-only SQLite file, `app.ready()` fails with one line naming what was
  * refused, the server's own words (never the statement knex puts in front of them) and the cure.
  */
-import { mkdtempSync, rmSync } from 'node:fs'
+import { spawnSync } from 'node:child_process'
+import { chmodSync, mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { afterAll, beforeAll, describe, expect, it } from 'vitest'
@@ -215,6 +216,33 @@ describe('KnexStorage\'s start-up proof on a SQLite file opened read-only', () =
     await writer.raw('CREATE TRIGGER keep_keys BEFORE DELETE ON keys BEGIN SELECT RAISE(IGNORE); END')
     expect(await startError(new KnexStorage({ knex: writer, tableName: 'keys' }))).toBe('fastify-idempotency: the store cannot work: KnexStorage: DELETE on the table "keys" changed no row: ' +
       'the probe row inserted just before was not found (a trigger or a policy that hides rows from this role?): let the app\'s role delete every row of "keys": without it a failed request\'s key stays locked until lockTimeout (checkStore: false starts the app anyway)')
+  })
+
+  it('a file whose directory the process may not write (SQLite makes its journal there) fails the start naming the directory', async (context) => {
+    const locked = mkdtempSync(join(tmpdir(), 'idem-proof-dir-'))
+    const file = join(locked, 'store.sqlite')
+    const writer = knexFactory({ client: 'better-sqlite3', connection: { filename: file }, useNullAsDefault: true })
+    await createIdempotencyTable(writer, 'keys')
+    await writer.destroy()
+    // root writes any directory: an immutable one (chattr +i) stands for a read-only one there.
+    const asRoot = process.getuid?.() === 0
+    const lock = (on: boolean): boolean => asRoot
+      ? spawnSync('chattr', [on ? '+i' : '-i', locked]).status === 0
+      : (chmodSync(locked, on ? 0o555 : 0o755), true)
+    if (!lock(true)) {
+      rmSync(locked, { recursive: true, force: true })
+      context.skip('chattr cannot make a directory immutable here, and root writes any other')
+    }
+    const knex = knexFactory({ client: 'better-sqlite3', connection: { filename: file }, useNullAsDefault: true })
+    try {
+      const error = await startError(new KnexStorage({ knex, tableName: 'keys' }))
+      expect(error).toMatch(/^fastify-idempotency: the store cannot work: KnexStorage: INSERT on the table "keys" was refused: .*\(SQLITE_(CANTOPEN|READONLY_DIRECTORY)\): the SQLite file or its directory is read-only to this process: let the process write the directory that holds the file \(SQLite makes its journal there\), and the file/)
+      expect(error).not.toContain('upgrading')
+    } finally {
+      await knex.destroy()
+      lock(false)
+      rmSync(locked, { recursive: true, force: true })
+    }
   })
 
   it('fails the start at the INSERT', async () => {

@@ -44,8 +44,15 @@ function deniedPrivilege ({ code, errno, reason }: DriverFailure): boolean {
 
 /** The server refuses every write: a read-only transaction, server or file. */
 function readOnly ({ code, errno, reason }: DriverFailure): boolean {
-  return code === '25006' || errno === 1792 || errno === 1290 || errno === 1836 || code === 'SQLITE_READONLY' || /read[- ]only/i.test(reason)
+  return code === '25006' || errno === 1792 || errno === 1290 || errno === 1836 || code?.startsWith('SQLITE_READONLY') === true || /read[- ]?only/i.test(reason)
 }
+
+/** SQLite cannot make its journal beside the file: a directory the process may not write. */
+function sqliteDirectory ({ code }: DriverFailure): boolean {
+  return code === 'SQLITE_CANTOPEN' || code === 'SQLITE_READONLY_DIRECTORY'
+}
+
+const SQLITE_DIRECTORY_CURE = 'the SQLite file or its directory is read-only to this process: let the process write the directory that holds the file (SQLite makes its journal there), and the file'
 
 function missingTable ({ code, errno, reason }: DriverFailure): boolean {
   return code === '42P01' || errno === 1146 || code === 'ER_NO_SUCH_TABLE' || /no such table/i.test(reason)
@@ -131,6 +138,9 @@ function tableFailure (failure: DriverFailure, table: string): StoreCheck {
 
 function statementFailure (statement: string, failure: DriverFailure, table: string, dialect: Dialect['name']): StoreCheck {
   const found = `${statement} on the table "${table}" was refused: ${failure.reason}${shownCode(failure)}`
+  if (dialect === 'sqlite' && sqliteDirectory(failure)) {
+    return failed(statement, found, SQLITE_DIRECTORY_CURE)
+  }
   if (readOnly(failure)) {
     return failed(statement, found, READ_ONLY_CURES[dialect])
   }
