@@ -330,6 +330,19 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     }
   })
 
+  it('a writable replica (replica-read-only no) fails the start: its writes reach neither the primary nor the other instances', async () => {
+    const replica = await startRedisServer(['--replicaof', '127.0.0.1', String(server.port), '--replica-read-only', 'no'])
+    const client = new Redis({ port: replica.port, maxRetriesPerRequest: 1 })
+    try {
+      const app = await started(storage(client))
+      expect(app.error).toBe('fastify-idempotency: the store cannot work: RedisStorage: the server is a replica (role:slave) that takes writes (replica-read-only no): what the store writes there never reaches the primary nor the app\'s other instances, and the next resync drops it: ' +
+        'point the client at the primary (checkStore: false starts the app anyway)')
+    } finally {
+      client.disconnect()
+      await replica.stop()
+    }
+  })
+
   it('ioredis without an offline queue, still connecting when the app starts, is waited for', async () => {
     const client = new Redis({ port: server.port, enableOfflineQueue: false })
     clients.push(client)

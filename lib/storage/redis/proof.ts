@@ -21,7 +21,7 @@ import { encodeEntry, encodeLease, fenceOf } from './codec.js'
 import { SilentServerError, type CommandArg, type RedisDriver, type Subscription } from './driver.js'
 import { channelOf } from './keys.js'
 import { END_LEASE, MARK_WAITING, RENEW, type Script, type ScriptForm } from './scripts.js'
-import { evictionCheck, persistenceCheck } from './server-settings.js'
+import { evictionCheck, persistenceCheck, replicaCheck } from './server-settings.js'
 
 /** How long a probe left by a process that died mid-proof stays, at most. */
 const PROBE_MS = 10_000
@@ -64,6 +64,8 @@ export async function proveRedis (context: RedisProofContext, options: StoreProo
   } finally {
     await proof.cleanUp()
   }
+  const replica = await replicaCheck(context.driver, options.signal)
+  if (replica !== null) checks.push(replica)
   checks.push(await evictionCheck(context.driver, context.allowEviction, options.signal))
   const persistence = await persistenceCheck(context.driver, options.signal)
   if (persistence !== null) checks.push(persistence)
