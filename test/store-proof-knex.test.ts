@@ -114,6 +114,22 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
       `give tableName its schema ("public.${table}"), or give the app's role a search_path that holds it (ALTER ROLE ... SET search_path) (checkStore: false starts the app anyway)`)
   })
 
+  it('a role granted the table but not USAGE on its schema fails the start naming USAGE, with createTable or not', async () => {
+    const schema = `proof_schema_${stamp}`
+    await admin.raw('CREATE SCHEMA ??', [schema])
+    try {
+      await createIdempotencyTable(admin, `${schema}.keys`)
+      for (const createTable of [false, true]) {
+        const storage = await as('', { tableName: `${schema}.keys`, createTable })
+        await admin.raw('GRANT SELECT, INSERT, UPDATE, DELETE ON ??.keys TO ??', [schema, roles[roles.length - 1]!])
+        expect(await startError(storage)).toMatch(new RegExp(`^fastify-idempotency: the store cannot work: KnexStorage: SELECT on the table "${schema}\\.keys" was refused: permission denied for schema ${schema} \\(42501\\): ` +
+          `grant the app's role USAGE on the schema "${schema}" \\(GRANT USAGE ON SCHEMA ${schema} TO \\.\\.\\.\\): it may not reach the tables in it`))
+      }
+    } finally {
+      await admin.raw('DROP SCHEMA ?? CASCADE', [schema])
+    }
+  })
+
   it('createTable on a table that is there adds only the expiry index it lacks', async () => {
     const tableName = `proof_index_${stamp}`
     rlsTables.push(tableName)

@@ -144,6 +144,10 @@ function statementFailure (statement: string, failure: DriverFailure, table: str
   if (readOnly(failure)) {
     return failed(statement, found, READ_ONLY_CURES[dialect])
   }
+  const schema = /permission denied for schema (\S+)/.exec(failure.reason)?.[1]
+  if (schema !== undefined) {
+    return failed(statement, found, `grant the app's role USAGE on the schema "${schema}" (GRANT USAGE ON SCHEMA ${schema} TO ...): it may not reach the tables in it`)
+  }
   if (deniedPrivilege(failure)) {
     return failed(statement, found, `grant the app's role SELECT, INSERT, UPDATE and DELETE on "${table}": every request writes its key there, and gives it back with a DELETE`)
   }

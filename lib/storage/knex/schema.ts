@@ -173,27 +173,30 @@ export async function ensureIdempotencyTable (knex: Knex, tableName: string = DE
     // violation on pg_type); a transaction-scoped advisory lock makes creators take turns.
     return await knex.transaction(async (trx) => {
       await trx.raw('SELECT pg_advisory_xact_lock(?::integer, ?::integer)', [ADVISORY_NAMESPACE, advisoryKey(tableName)])
-      const { rows: existing } = await trx.raw('SELECT to_regclass(?) AS found', [quotedName(tableName)])
-      if (existing[0].found === null) {
+      // Found through the catalogs (readable by every role) when the name has its schema, so a role
+      // without USAGE on that schema is told so by its first statement, not here.
+      const { rows: existing } = schema === undefined
+        ? await trx.raw('SELECT to_regclass(?)::oid AS found', [quotedName(tableName)])
+        : await trx.raw('SELECT pg_class.oid AS found FROM pg_class JOIN pg_namespace ON pg_namespace.oid = pg_class.relnamespace WHERE pg_namespace.nspname = ? AND pg_class.relname = ? AND pg_class.relkind IN (\'r\', \'p\')', [schema, base])
+      const found = (existing as Array<{ found: number | null }>)[0]?.found ?? null
+      if (found === null) {
         await trx.raw(POSTGRES_TABLE, [tableName])
         await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
         // Only with a new table: building it on a full one blocks writes (see `createInFlightIndex`).
         await trx.raw(IN_FLIGHT_INDEX, [inFlightIndexName(tableName), tableName])
-      } else {
-        // A table that is there is left alone (PostgreSQL checks CREATE on the schema before IF NOT
-        // EXISTS finds the table, and an app's role granted only its rows may run this at start);
-        // only an expiry index it lacks is added.
-        const { rows: indexed } = await trx.raw('SELECT 1 FROM pg_index JOIN pg_class ON pg_class.oid = pg_index.indexrelid WHERE pg_index.indrelid = ?::regclass AND pg_class.relname = ?',
-          [quotedName(tableName), index])
-        if (indexed.length === 0) await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+        return true
       }
+      // A table that is there is left alone (PostgreSQL checks CREATE on the schema before IF NOT
+      // EXISTS finds the table, and an app's role granted only its rows may run this at start);
+      // only an expiry index it lacks is added.
+      const { rows: indexed } = await trx.raw('SELECT 1 FROM pg_index JOIN pg_class ON pg_class.oid = pg_index.indexrelid WHERE pg_index.indrelid = ? AND pg_class.relname = ?', [found, index])
+      if (indexed.length === 0) await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
       // A table created before `waiting` existed gets it. Only when it is missing: ALTER TABLE
       // takes an ACCESS EXCLUSIVE lock even when IF NOT EXISTS then finds the column, and every
       // process start would queue all requests behind it. (A constant default costs no rewrite.)
-      const { rows } = await trx.raw("SELECT 1 FROM pg_attribute WHERE attrelid = ?::regclass AND attname = 'waiting' AND NOT attisdropped",
-        [quotedName(tableName)])
+      const { rows } = await trx.raw("SELECT 1 FROM pg_attribute WHERE attrelid = ? AND attname = 'waiting' AND NOT attisdropped", [found])
       if (rows.length === 0) await trx.raw('ALTER TABLE ?? ADD COLUMN IF NOT EXISTS waiting boolean NOT NULL DEFAULT false', [tableName])
-      return existing[0].found === null
+      return false
     })
   } else if (dialect === 'mysql') {
     // A table that is there is left alone: MySQL checks CREATE before IF NOT EXISTS finds the
