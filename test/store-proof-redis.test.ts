@@ -128,6 +128,27 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     expect(app.error).toMatch(/\(and 2 more checks failed: wait-mark script, complete and release script\)/)
   })
 
+  it('through Valkey GLIDE, a user that may not SUBSCRIBE (GLIDE retries it for ever, saying nothing): the app starts, says that waits poll, and a duplicate polls', async () => {
+    const name = `user${++users}`
+    await admin.call('ACL', 'SETUSER', name, 'on', '>secret', '~*', '&*', '+@all', '-subscribe')
+    const client = await GlideClient.createClient({ addresses: [{ host: '127.0.0.1', port: server.port }], credentials: { username: name, password: 'secret' } })
+    clients.push({ quit: async () => { client.close() } })
+    const gate = new Gate()
+    const app = await started(storage(client as unknown as RedisStorageOptions['client']), { wait: true, storeTimeout: '5s' }, gate)
+    expect(app.error).toBeNull()
+    expect(app.logs.filter((line) => line.msg.includes('SUBSCRIBE to'))).toEqual([
+      expect.objectContaining({ level: 40, msg: expect.stringMatching(/RedisStorage: SUBSCRIBE to test:proof:.* failed: the server did not confirm SUBSCRIBE to .* within 2000 ms: the client's Redis user may not SUBSCRIBE to it\? .*: waiting duplicates poll the store instead/) })
+    ])
+    const key = newKey()
+    const first = app.post(key)
+    await gate.entered
+    const duplicate = app.post(key)
+    await new Promise((resolve) => setTimeout(resolve, 100))
+    gate.open()
+    expect((await first).status).toBe(201)
+    expect(await duplicate).toMatchObject({ status: 201, replayed: true })
+  })
+
   it('a user with the ACL docs/stores/redis.md gives passes every check, and serves', async () => {
     const name = `user${++users}`
     // As the page writes it (the rules after the password).
