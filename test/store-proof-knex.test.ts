@@ -130,6 +130,26 @@ describe.skipIf(!postgres.available)(`KnexStorage's start-up proof on PostgreSQL
     }
   })
 
+  it('a table a migration holds locked fails the start saying so, past storeTimeout or past statementTimeout, once', async () => {
+    const locked = `proof_locked_${stamp}`
+    rlsTables.push(locked)
+    await createIdempotencyTable(admin, locked)
+    const migration = await admin.transaction()
+    try {
+      await migration.raw('LOCK TABLE ?? IN ACCESS EXCLUSIVE MODE', [locked])
+      const knex = knexFactory({ client: 'pg', connection: pgConnection })
+      instances.push(knex)
+      const pastStoreTimeout = await startError(new KnexStorage({ knex, tableName: locked }), { storeTimeout: 500 })
+      expect(pastStoreTimeout).toBe(`fastify-idempotency: the store cannot work: KnexStorage: SELECT on the table "${locked}" got no answer: SELECT: no answer before the proof's time was up: ` +
+        'the table is locked (a migration, a VACUUM FULL, a long transaction), or the database is too busy: start the app once what holds it is done (pg_locks, SHOW PROCESSLIST), or give the check more time (storeTimeout) (checkStore: false starts the app anyway)')
+      const atLockTimeout = await startError(new KnexStorage({ knex, tableName: locked, statementTimeout: 200 }), { storeTimeout: 5000 })
+      expect(atLockTimeout).toMatch(new RegExp(`^fastify-idempotency: the store cannot work: KnexStorage: SELECT on the table "${locked}" got no answer: Defined query timeout of 200ms exceeded when running query\\.: the table is locked`))
+      expect(atLockTimeout).not.toContain('more check')
+    } finally {
+      await migration.rollback()
+    }
+  })
+
   it('createTable on a table that is there adds only the expiry index it lacks', async () => {
     const tableName = `proof_index_${stamp}`
     rlsTables.push(tableName)

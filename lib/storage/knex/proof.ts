@@ -11,7 +11,7 @@
  */
 import { randomBytes } from 'node:crypto'
 import type { Knex } from 'knex'
-import { beforeAbort, driverReason, failed, passed } from '../proof.js'
+import { ProofAbortedError, beforeAbort, driverReason, failed, passed } from '../proof.js'
 import type { StoreCheck, StoreProofOptions } from '../types.js'
 import type { Dialect } from './dialect.js'
 import { quotedName } from './schema.js'
@@ -29,12 +29,14 @@ export interface DriverFailure {
   /** PostgreSQL's SQLSTATE, mysql2's or SQLite's code; `undefined` when none. */
   code: string | undefined
   errno: number | undefined
+  /** The proof's time was up first: no answer at all. */
+  stalled: boolean
 }
 
 /** A driver's error: the server's words (`driverReason`), and its code. */
 export function driverFailure (error: unknown): DriverFailure {
   const { code, errno } = (error ?? {}) as { code?: unknown, errno?: unknown }
-  return { reason: driverReason(error), code: typeof code === 'string' ? code : undefined, errno: typeof errno === 'number' ? errno : undefined }
+  return { reason: driverReason(error), code: typeof code === 'string' ? code : undefined, errno: typeof errno === 'number' ? errno : undefined, stalled: error instanceof ProofAbortedError || (error as { name?: unknown } | null)?.name === 'KnexTimeoutError' }
 }
 
 /** The server refused a statement on a privilege. */
@@ -53,6 +55,18 @@ function sqliteDirectory ({ code }: DriverFailure): boolean {
 }
 
 const SQLITE_DIRECTORY_CURE = 'the SQLite file or its directory is read-only to this process: let the process write the directory that holds the file (SQLite makes its journal there), and the file'
+
+/**
+ * The statement got no answer: the proof's time was up, the store's statementTimeout (knex's query
+ * timeout) passed, or the server gave up waiting for a lock (PostgreSQL's lock_timeout or a
+ * statement timeout, MySQL's lock wait timeout or max_statement_time): the table is held by
+ * someone else, or the server is too busy.
+ */
+function stalled ({ stalled, code, errno }: DriverFailure): boolean {
+  return stalled || code === '55P03' || code === '57014' || errno === 1205 || errno === 1969 || errno === 3024
+}
+
+const STALLED_CURE = 'the table is locked (a migration, a VACUUM FULL, a long transaction), or the database is too busy: start the app once what holds it is done (pg_locks, SHOW PROCESSLIST), or give the check more time (storeTimeout)'
 
 function missingTable ({ code, errno, reason }: DriverFailure): boolean {
   return code === '42P01' || errno === 1146 || code === 'ER_NO_SUCH_TABLE' || /no such table/i.test(reason)
@@ -107,6 +121,8 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
       return checks
     }
     checks.push(passed('table', created ? `"${table}" was missing: created now (createTable: true), as the app does at its start` : `"${table}" is there`), statementFailure('SELECT', failure, table, dialect.name))
+    // A table that does not answer a read answers no write either: said once.
+    if (stalled(failure)) return checks
   }
   checks.push(...await step('INSERT, UPDATE, DELETE', () => writes(dialect)).catch((error: unknown) => [statementFailure('INSERT', driverFailure(error), table, dialect.name)]))
   const refused = checks.find((check) => check.cure === READ_ONLY_CURE)
@@ -137,6 +153,7 @@ function tableFailure (failure: DriverFailure, table: string): StoreCheck {
 }
 
 function statementFailure (statement: string, failure: DriverFailure, table: string, dialect: Dialect['name']): StoreCheck {
+  if (stalled(failure)) return failed(statement, `${statement} on the table "${table}" got no answer: ${failure.reason}${shownCode(failure)}`, STALLED_CURE)
   const found = `${statement} on the table "${table}" was refused: ${failure.reason}${shownCode(failure)}`
   if (dialect === 'sqlite' && sqliteDirectory(failure)) {
     return failed(statement, found, SQLITE_DIRECTORY_CURE)
