@@ -120,9 +120,9 @@ export async function untilReady (client: Emitter, settled: readonly string[], s
         listeners.push([event, listener])
         client.on(event, listener)
       }
-      listen('error', (error: unknown) => { lastError = error instanceof Error ? error.message : String(error) })
+      // An error ends what `connect` said: the connection failed, or is being made again.
+      listen('error', (error: unknown) => { lastError = error instanceof Error ? error.message : String(error); reached = false })
       listen('connect', () => { reached = true })
-      listen('close', () => { reached = false })
       for (const event of settled) listen(event, () => { resolve() })
       const aborted = (): void => {
         const last = lastError === '' ? '' : ` (its last error: ${lastError})`
