@@ -96,7 +96,12 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
       'check that the database runs, and the connection settings knex was given (host, port, user, password, database)')]
   }
   if (dialect.name === 'mysql') {
-    const autocommit = await step('autocommit', () => autocommitOf(knex)).catch(() => null)
+    let autocommit: number | null = null
+    try {
+      autocommit = await step('autocommit', () => autocommitOf(knex))
+    } catch {
+      // Unread: the checks below find what is wrong with the connection.
+    }
     if (autocommit === 0) {
       checks.push(failed('autocommit', 'autocommit is off on the store\'s connections (@@autocommit = 0): no lease or response it writes would be committed, and a duplicate on another connection would wait on its row until storeTimeout',
         'turn it on for the app\'s connections (the server\'s autocommit or init_connect, or the pool\'s afterCreate)'))
@@ -116,7 +121,12 @@ export async function proveKnex ({ dialect, start }: KnexProofContext, { signal 
     const failure = driverFailure(error)
     // Without createTable, nothing was created: the read is the first to find the table missing.
     if (missingTable(failure)) {
-      const elsewhere = dialect.name === 'postgres' && !table.includes('.') ? await step('search_path', () => offSearchPath(knex, table)).catch(() => null) : null
+      let elsewhere: StoreCheck | null = null
+      try {
+        if (dialect.name === 'postgres' && !table.includes('.')) elsewhere = await step('search_path', () => offSearchPath(knex, table))
+      } catch {
+        // Unread: said as missing.
+      }
       checks.push(elsewhere ?? tableFailure(failure, table))
       return checks
     }
@@ -228,7 +238,7 @@ async function unchanged (name: string, dialect: Dialect, trx: Knex.Transaction)
   const verb = name === 'UPDATE' ? 'update' : 'delete'
   let secured = false
   if (dialect.name === 'postgres') {
-    const { rows } = await trx.raw('SELECT relrowsecurity AS secured FROM pg_class WHERE oid = to_regclass(?)', [quotedName(table)]).catch(() => ({ rows: [] }))
+    const { rows } = await trx.raw('SELECT relrowsecurity AS secured FROM pg_class WHERE oid = to_regclass(?)', [quotedName(table)])
     secured = (rows as Array<{ secured: boolean }>)[0]?.secured === true
   }
   const why = secured ? `row-level security is on for the table: no policy lets this role ${verb} its rows?` : 'a trigger or a policy that hides rows from this role?'
