@@ -46,7 +46,7 @@ const CONFIG = `export default async () => {
   }
   const db = knex({ client: env.DOCTOR_STORE!, connection: JSON.parse(env.DOCTOR_CONNECTION!) })
   opened.push(db)
-  return { storage: new KnexStorage({ knex: db, tableName: env.DOCTOR_TABLE }) }
+  return { storage: new KnexStorage({ knex: db, tableName: env.DOCTOR_TABLE, createTable: env.DOCTOR_CREATE_TABLE === '1' }) }
 }
 `
 const configFile = join(work, 'doctor.config.ts')
@@ -165,6 +165,19 @@ describe.skipIf(!postgres.available)(`doctor on PostgreSQL${postgres.reason}`, (
     expect(denied.code).toBe(1)
     for (const statement of ['INSERT', 'UPDATE', 'DELETE']) {
       expect(denied.stdout).toMatch(new RegExp(`^FAILED {4}${statement} +${statement} on the table "${table}" was refused: permission denied for table ${table} \\(42501\\)\\n +cure: grant the app's role SELECT, INSERT, UPDATE and DELETE`, 'm'))
+    }
+  })
+
+  it('a table missing, with createTable: the check says it created the table (what the app does at its start), not that it was there', async () => {
+    const created = `${table}_created`
+    try {
+      const run = await inProcess(['doctor'], { ...env(pgConnection.user), DOCTOR_TABLE: created, DOCTOR_CREATE_TABLE: '1' })
+      expect(run.code).toBe(0)
+      expect(run.stdout).toMatch(new RegExp(`^ok {8}table +"${created}" was missing: created now \\(createTable: true\\), as the app does at its start$`, 'm'))
+      const again = await inProcess(['doctor'], { ...env(pgConnection.user), DOCTOR_TABLE: created, DOCTOR_CREATE_TABLE: '1' })
+      expect(again.stdout).toMatch(new RegExp(`^ok {8}table +"${created}" is there$`, 'm'))
+    } finally {
+      await dropIdempotencyTable(admin, created)
     }
   })
 })

@@ -8,6 +8,7 @@ import { afterAll, describe, expect, it } from 'vitest'
 import { Redis } from 'ioredis'
 import { REDIS, deleteRedisPrefix, service } from './helpers/services.js'
 import { runWaitExit } from './helpers/redis-wait-exit.js'
+import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
 
 const redis = await service(REDIS)
 const PREFIX = `test:redis-exit:${process.pid}:${Date.now()}:`
@@ -33,4 +34,23 @@ describe.skipIf(!redis.available)('a process that used RedisStorage\'s wait mode
       expect(run.code).toBe(0)
     })
   }
+})
+
+const own = redisClusterAvailability()
+
+describe.skipIf(!own.available)('on a Redis of the test\'s own' + own.reason, () => {
+  it('the plugin on Valkey GLIDE, as a Redis user that may not SUBSCRIBE (GLIDE retries a refused subscription for ever): the app starts, the duplicate polls, and the process ends', async () => {
+    const server = await startRedisServer([])
+    const admin = new Redis({ port: server.port })
+    try {
+      await admin.call('ACL', 'SETUSER', 'app', 'on', '>secret', '~*', '&*', '+@all', '-subscribe')
+      const run = await runWaitExit({ MODE: 'glide-no-subscribe', REDIS_HOST: '127.0.0.1', REDIS_PORT: String(server.port), REDIS_USER: 'app', REDIS_PASSWORD: 'secret', PREFIX: `${PREFIX}glide-no-subscribe:` }, 10_000, 40_000)
+      expect(run.stdout, run.stderr).toContain('REPLAYED true')
+      expect(run.exitedByItself, `${run.stdout}${run.stderr}`).toBe(true)
+      expect(run.code).toBe(0)
+    } finally {
+      await admin.quit()
+      await server.stop()
+    }
+  })
 })

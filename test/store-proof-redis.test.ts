@@ -8,10 +8,14 @@
  * connecting (ioredis without an offline queue, node-redis before `connect()` resolves) is waited for.
  */
 import diagnostics from 'node:diagnostics_channel'
+import { mkdtemp, rm } from 'node:fs/promises'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
 import { Redis } from 'ioredis'
 import { createClient } from 'redis'
+import { GlideClient } from '@valkey/valkey-glide'
 import idempotency, { idempotencyErrorHandler, type IdempotencyOptions, type IdempotencyStoreCheckEvent } from '../lib/index.js'
 import { RedisStorage, type RedisStorageOptions } from '../lib/redis.js'
 import { redisClusterAvailability, startRedisServer } from './helpers/redis-cluster.js'
@@ -112,6 +116,37 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
     const app = await started(storage(await userClient('-evalsha')))
     expect(app.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: EVALSHA of the renew script was refused: NOPERM .*evalsha.*: allow EVAL and EVALSHA in the ACL of the client's Redis user \(\+eval \+evalsha\)/)
     expect(app.error).not.toContain('\n')
+  })
+
+  it('through Valkey GLIDE (which names NOPERM "PermissionDenied"), a user without EVALSHA fails the start naming EVALSHA, not an unreachable Redis', async () => {
+    const name = `user${++users}`
+    await admin.call('ACL', 'SETUSER', name, 'on', '>secret', '~*', '&*', '+@all', '-evalsha')
+    const client = await GlideClient.createClient({ addresses: [{ host: '127.0.0.1', port: server.port }], credentials: { username: name, password: 'secret' } })
+    clients.push({ quit: async () => { client.close() } })
+    const app = await started(storage(client as unknown as RedisStorageOptions['client']), { wait: true })
+    expect(app.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: EVALSHA of the renew script was refused: .*PermissionDenied: this user has no permissions to run the 'evalsha' command: allow EVAL and EVALSHA in the ACL of the client's Redis user \(\+eval \+evalsha\)/)
+    expect(app.error).toMatch(/\(and 2 more checks failed: wait-mark script, complete and release script\)/)
+  })
+
+  it('through Valkey GLIDE, a user that may not SUBSCRIBE (GLIDE retries it for ever, saying nothing): the app starts, says that waits poll, and a duplicate polls', async () => {
+    const name = `user${++users}`
+    await admin.call('ACL', 'SETUSER', name, 'on', '>secret', '~*', '&*', '+@all', '-subscribe')
+    const client = await GlideClient.createClient({ addresses: [{ host: '127.0.0.1', port: server.port }], credentials: { username: name, password: 'secret' } })
+    clients.push({ quit: async () => { client.close() } })
+    const gate = new Gate()
+    const app = await started(storage(client as unknown as RedisStorageOptions['client']), { wait: true, storeTimeout: '5s' }, gate)
+    expect(app.error).toBeNull()
+    expect(app.logs.filter((line) => line.msg.includes('SUBSCRIBE to'))).toEqual([
+      expect.objectContaining({ level: 40, msg: expect.stringMatching(/RedisStorage: SUBSCRIBE to test:proof:.* failed: the server did not confirm SUBSCRIBE to .* within 2000 ms: the client's Redis user may not SUBSCRIBE to it\? .*: waiting duplicates poll the store instead/) })
+    ])
+    const key = newKey()
+    const first = app.post(key)
+    await gate.entered
+    const duplicate = app.post(key)
+    await new Promise((resolve) => setTimeout(resolve, 100))
+    gate.open()
+    expect((await first).status).toBe(201)
+    expect(await duplicate).toMatchObject({ status: 201, replayed: true })
   })
 
   it('a user with the ACL docs/stores/redis.md gives passes every check, and serves', async () => {
@@ -256,6 +291,75 @@ describe.skipIf(!own.available)('RedisStorage proves at start what requests will
       expect(app.error).toMatch(/RedisStorage: the server is a read-only replica: READONLY .*: point the client at the primary/)
       await client.quit()
     } finally {
+      await replica.stop()
+    }
+  })
+
+  it('a Redis that stops answering (paused: a hung host, a long script) fails the start with one line saying it did not answer, once connected or not', async () => {
+    const paused = await startRedisServer(['--save', '', '--appendonly', 'no'])
+    const probe = new Redis({ port: paused.port })
+    const pid = Number(/process_id:(\d+)/.exec(await probe.info('server'))![1])
+    await probe.quit()
+    const connectedFirst = new Redis({ port: paused.port, maxRetriesPerRequest: 1 })
+    await connectedFirst.ping()
+    process.kill(pid, 'SIGSTOP')
+    try {
+      const app = await started(storage(connectedFirst), { storeTimeout: 500 })
+      expect(app.error).toBe('fastify-idempotency: the store cannot work: RedisStorage: Redis did not answer through the ioredis client: SET … PX … NX GET: no answer before the proof\'s time was up: ' +
+        'check that Redis answers (a server paused or overloaded, a long script or command that blocks it, a network that drops packets), and the client\'s host, port, TLS and credentials (checkStore: false starts the app anyway)')
+      // Connected by the kernel's backlog, never answered: not the same as a refused connection.
+      const neverAnswered = new Redis({ port: paused.port })
+      neverAnswered.on('error', () => {})
+      const later = await started(storage(neverAnswered), { storeTimeout: 500 })
+      expect(later.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: Redis did not answer through the ioredis client: the ioredis client connected, but Redis did not answer before the time was up: check that Redis answers/)
+      neverAnswered.disconnect()
+    } finally {
+      process.kill(pid, 'SIGCONT')
+      connectedFirst.disconnect()
+      await paused.stop()
+    }
+  })
+
+  it('a Redis that refuses writes for a reason of its own (NOREPLICAS, MISCONF) fails the start with the cure for that reason, not an upgrade', async () => {
+    const dir = await mkdtemp(join(tmpdir(), 'idem-misconf-'))
+    const refusing = await startRedisServer(['--min-replicas-to-write', '1', '--enable-protected-configs', 'yes'])
+    const client = new Redis({ port: refusing.port, maxRetriesPerRequest: 1 })
+    try {
+      const noReplicas = await started(storage(client))
+      expect(noReplicas.error).toBe('fastify-idempotency: the store cannot work: RedisStorage: Redis refuses writes while it has fewer replicas than min-replicas-to-write: NOREPLICAS Not enough good replicas to write.: ' +
+        'bring its replicas back, or lower min-replicas-to-write: every request writes its key (checkStore: false starts the app anyway)')
+      // A snapshot that cannot be written (its directory gone): Redis stops taking writes.
+      await client.call('CONFIG', 'SET', 'min-replicas-to-write', '0', 'dir', dir, 'save', '3600 1')
+      await rm(dir, { recursive: true })
+      await client.call('BGSAVE')
+      while (!/rdb_last_bgsave_status:err/.test(await client.info('persistence'))) await new Promise((resolve) => setTimeout(resolve, 20))
+      const misconf = await started(storage(client))
+      expect(misconf.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: Redis refuses writes since it failed to save a snapshot: MISCONF .*: fix what keeps it from saving \(its log says\), or set stop-writes-on-bgsave-error no: every request writes its key/)
+      // A script that runs on: past busy-reply-threshold, Redis answers BUSY to everything else.
+      await client.call('CONFIG', 'SET', 'save', '', 'busy-reply-threshold', '50')
+      const blocker = new Redis({ port: refusing.port })
+      blocker.eval('while true do end', 0).catch(() => {})
+      await new Promise((resolve) => setTimeout(resolve, 200))
+      const busy = await started(storage(client))
+      expect(busy.error).toMatch(/^fastify-idempotency: the store cannot work: RedisStorage: Redis is busy running a script: BUSY .*: end the script \(SCRIPT KILL, or FUNCTION KILL\) or wait for it/)
+      await client.call('SCRIPT', 'KILL')
+      blocker.disconnect()
+    } finally {
+      client.disconnect()
+      await refusing.stop()
+      await rm(dir, { recursive: true, force: true })
+    }
+  })
+
+  it('a writable replica (replica-read-only no) fails the start: its writes reach neither the primary nor the other instances', async () => {
+    const replica = await startRedisServer(['--replicaof', '127.0.0.1', String(server.port), '--replica-read-only', 'no'])
+    const client = new Redis({ port: replica.port, maxRetriesPerRequest: 1 })
+    try {
+      const app = await started(storage(client))
+      expect(app.error).toBe('fastify-idempotency: the store cannot work: RedisStorage: the server is a replica (role:slave) that takes writes (replica-read-only no): what the store writes there never reaches the primary nor the app\'s other instances, and the next resync drops it: ' +
+        'point the client at the primary (checkStore: false starts the app anyway)')
+    } finally {
+      client.disconnect()
       await replica.stop()
     }
   })

@@ -27,7 +27,7 @@ import { PostgresDialect } from './postgres.js'
 import { openTransaction, type OpenedTransaction } from './request-transaction.js'
 import { RequestSlots, poolSize } from './request-slots.js'
 import { encodeKey, outcomeUnknown, toBuffer, trimmed } from './rows.js'
-import { createIdempotencyTable, sqlDialect, type SqlDialect } from './schema.js'
+import { ensureIdempotencyTable, sqlDialect, type SqlDialect } from './schema.js'
 import { SqliteDialect } from './sqlite.js'
 
 export type { KnexStorageOptions, PurgeExpiredOptions } from './storage-options.js'
@@ -57,6 +57,8 @@ export class KnexStorage implements TransactionalStorage {
   /** Set once the table exists (when asked to create it) and the server is probed: see `#start`. */
   #starting: Promise<void> | undefined
   #started = false
+  /** The table was missing, and this storage's start made it (`createTable`): the proof says so once. */
+  #tableCreated = false
   readonly #listener: PgListener | undefined
   /** Request transactions open at once (see request-slots.ts). */
   readonly #requestSlots: RequestSlots
@@ -293,7 +295,16 @@ export class KnexStorage implements TransactionalStorage {
    * read, and written, updated and deleted in a transaction rolled back.
    */
   async prove (options: StoreProofOptions): Promise<StoreCheck[]> {
-    return await proveKnex({ dialect: this.#dialect, start: () => this.#start() }, options)
+    return await proveKnex({
+      dialect: this.#dialect,
+      start: async () => {
+        await this.#start()
+        // Said once: a later proof finds the table there.
+        const created = this.#tableCreated
+        this.#tableCreated = false
+        return created
+      }
+    }, options)
   }
 
   /** The start-up proof, failing with one line that says why (and how to cure it) when a check failed. */
@@ -332,7 +343,7 @@ export class KnexStorage implements TransactionalStorage {
 
   async #createAndProbe (): Promise<void> {
     await this.#dialect.probeServer()
-    if (this.#createTable) await createIdempotencyTable(this.#dialect.knex, this.#dialect.table)
+    if (this.#createTable) this.#tableCreated = await ensureIdempotencyTable(this.#dialect.knex, this.#dialect.table)
   }
 
   /** Run one statement again when the server picked it as a deadlock victim. */

@@ -159,6 +159,11 @@ const ADVISORY_NAMESPACE = 0x1de4
  * `knex`, which may be a transaction).
  */
 export async function createIdempotencyTable (knex: Knex, tableName: string = DEFAULT_TABLE_NAME): Promise<void> {
+  await ensureIdempotencyTable(knex, tableName)
+}
+
+/** `createIdempotencyTable`, saying whether the table was missing (and is made now). */
+export async function ensureIdempotencyTable (knex: Knex, tableName: string = DEFAULT_TABLE_NAME): Promise<boolean> {
   checkTableName(tableName)
   const dialect = sqlDialect(knex)
   const { schema, base } = splitName(tableName)
@@ -166,30 +171,49 @@ export async function createIdempotencyTable (knex: Knex, tableName: string = DE
   if (dialect === 'postgres') {
     // Concurrent CREATE TABLE IF NOT EXISTS can still collide in PostgreSQL's catalogs (a unique
     // violation on pg_type); a transaction-scoped advisory lock makes creators take turns.
-    await knex.transaction(async (trx) => {
+    return await knex.transaction(async (trx) => {
       await trx.raw('SELECT pg_advisory_xact_lock(?::integer, ?::integer)', [ADVISORY_NAMESPACE, advisoryKey(tableName)])
-      const { rows: existing } = await trx.raw('SELECT to_regclass(?) AS found', [quotedName(tableName)])
-      await trx.raw(POSTGRES_TABLE, [tableName])
-      await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
-      // Only with a new table: building it on a full one blocks writes (see `createInFlightIndex`).
-      if (existing[0].found === null) await trx.raw(IN_FLIGHT_INDEX, [inFlightIndexName(tableName), tableName])
+      // Found through the catalogs (readable by every role) when the name has its schema, so a role
+      // without USAGE on that schema is told so by its first statement, not here.
+      const { rows: existing } = schema === undefined
+        ? await trx.raw('SELECT to_regclass(?)::oid AS found', [quotedName(tableName)])
+        : await trx.raw('SELECT pg_class.oid AS found FROM pg_class JOIN pg_namespace ON pg_namespace.oid = pg_class.relnamespace WHERE pg_namespace.nspname = ? AND pg_class.relname = ? AND pg_class.relkind IN (\'r\', \'p\')', [schema, base])
+      const found = (existing as Array<{ found: number | null }>)[0]?.found ?? null
+      if (found === null) {
+        await trx.raw(POSTGRES_TABLE, [tableName])
+        await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
+        // Only with a new table: building it on a full one blocks writes (see `createInFlightIndex`).
+        await trx.raw(IN_FLIGHT_INDEX, [inFlightIndexName(tableName), tableName])
+        return true
+      }
+      // A table that is there is left alone (PostgreSQL checks CREATE on the schema before IF NOT
+      // EXISTS finds the table, and an app's role granted only its rows may run this at start);
+      // only an expiry index it lacks is added.
+      const { rows: indexed } = await trx.raw('SELECT 1 FROM pg_index JOIN pg_class ON pg_class.oid = pg_index.indexrelid WHERE pg_index.indrelid = ? AND pg_class.relname = ?', [found, index])
+      if (indexed.length === 0) await trx.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [index, tableName])
       // A table created before `waiting` existed gets it. Only when it is missing: ALTER TABLE
       // takes an ACCESS EXCLUSIVE lock even when IF NOT EXISTS then finds the column, and every
       // process start would queue all requests behind it. (A constant default costs no rewrite.)
-      const { rows } = await trx.raw("SELECT 1 FROM pg_attribute WHERE attrelid = ?::regclass AND attname = 'waiting' AND NOT attisdropped",
-        [quotedName(tableName)])
+      const { rows } = await trx.raw("SELECT 1 FROM pg_attribute WHERE attrelid = ? AND attname = 'waiting' AND NOT attisdropped", [found])
       if (rows.length === 0) await trx.raw('ALTER TABLE ?? ADD COLUMN IF NOT EXISTS waiting boolean NOT NULL DEFAULT false', [tableName])
+      return false
     })
   } else if (dialect === 'mysql') {
+    // A table that is there is left alone: MySQL checks CREATE before IF NOT EXISTS finds the
+    // table, and an app's user granted only its rows may run this at start.
+    const [rows] = await knex.raw('SELECT 1 FROM information_schema.tables WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?', [schema ?? null, base])
+    if ((rows as unknown[]).length > 0) return false
     // One statement with the index inline: MySQL DDL is not transactional, and a separate
     // CREATE INDEX would fail for the second of two racing creators.
     await knex.raw(MYSQL_TABLE, [tableName, index, inFlightIndexName(tableName)])
+    return true
   } else {
     // The statements are idempotent, so racing creators need no lock; SQLite serializes them.
     const existed = await sqliteTableExists(knex, tableName)
     await knex.raw(SQLITE_TABLE, [tableName])
     await knex.raw('CREATE INDEX IF NOT EXISTS ?? ON ?? (expires_at)', [schema === undefined ? index : `${schema}.${index}`, base])
     if (!existed) await createInFlightIndex(knex, tableName)
+    return !existed
   }
 }
 

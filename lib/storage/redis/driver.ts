@@ -100,12 +100,18 @@ interface Emitter {
   removeListener?: (event: string, listener: (...args: any[]) => void) => unknown
 }
 
+/** A client that connected to the server, which then answered nothing before the time was up. */
+export class SilentServerError extends Error {}
+
 /**
  * Resolves once `client` emits one of `settled` (ready, or gone for good), rejects once `signal`
- * is aborted, with the last error the client reported meanwhile: a client still connecting.
+ * is aborted, with the last error the client reported meanwhile: a client still connecting, or
+ * connected (its `connect` event) and waiting for the server's first answers (a paused server
+ * takes connections in the kernel's backlog and answers nothing).
  */
 export async function untilReady (client: Emitter, settled: readonly string[], signal: AbortSignal | undefined, family: string, opened: () => boolean = () => true): Promise<void> {
   let lastError = ''
+  let reached = false
   const listeners: Array<[string, (...args: any[]) => void]> = []
   const remove = client.off ?? client.removeListener
   try {
@@ -114,12 +120,15 @@ export async function untilReady (client: Emitter, settled: readonly string[], s
         listeners.push([event, listener])
         client.on(event, listener)
       }
-      listen('error', (error: unknown) => { lastError = error instanceof Error ? error.message : String(error) })
+      // An error ends what `connect` said: the connection failed, or is being made again.
+      listen('error', (error: unknown) => { lastError = error instanceof Error ? error.message : String(error); reached = false })
+      listen('connect', () => { reached = true })
       for (const event of settled) listen(event, () => { resolve() })
       const aborted = (): void => {
-        reject(new Error(opened()
-          ? `the ${family} client was still connecting when the time was up${lastError === '' ? '' : ` (its last error: ${lastError})`}`
-          : `the ${family} client was never connected: call its connect() before the app starts`))
+        const last = lastError === '' ? '' : ` (its last error: ${lastError})`
+        if (!opened()) reject(new Error(`the ${family} client was never connected: call its connect() before the app starts`))
+        else if (reached) reject(new SilentServerError(`the ${family} client connected, but Redis did not answer before the time was up${last}`))
+        else reject(new Error(`the ${family} client was still connecting when the time was up${last}`))
       }
       if (signal?.aborted === true) aborted()
       signal?.addEventListener('abort', aborted, { once: true })

@@ -12,6 +12,44 @@
 import { nodeReplies, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
+/**
+ * The kinds of Redis answers GLIDE's core names in its messages, as Redis's own codes (GLIDE drops
+ * the code: `- PermissionDenied: this user has no permissions ...` for `NOPERM this user ...`).
+ * The kinds it names that are no answer (IoError, ClientError...) are left out.
+ */
+const GLIDE_KINDS = new Map([
+  ['NoScriptError', 'NOSCRIPT'],
+  ['PermissionDenied', 'NOPERM'],
+  ['ReadOnly', 'READONLY'],
+  ['BusyLoadingError', 'LOADING'],
+  ['ExecAbortError', 'EXECABORT'],
+  ['TryAgain', 'TRYAGAIN'],
+  ['ClusterDown', 'CLUSTERDOWN'],
+  ['CrossSlot', 'CROSSSLOT'],
+  ['MasterDown', 'MASTERDOWN'],
+  ['NotBusy', 'NOTBUSY'],
+  ['Moved', 'MOVED'],
+  ['Ask', 'ASK']
+])
+
+/**
+ * How long a SUBSCRIBE (or UNSUBSCRIBE) of the subscriber may go unconfirmed. GLIDE's core retries
+ * a refused SUBSCRIBE (a Redis user without it, or without the channel) for ever and only logs
+ * why; a call that waits without a limit never settles, and holds the process open even once the
+ * connection is closed.
+ */
+const SUBSCRIBE_MS = 2000
+
+/** SUBSCRIBE to `channel`, confirmed within SUBSCRIBE_MS; else why not, as far as GLIDE tells. */
+async function confirmed (connection: SubscriberClient, channel: string): Promise<void> {
+  try {
+    await connection.subscribe(new Set([channel]), SUBSCRIBE_MS)
+  } catch (error) {
+    if ((error as Error).name !== 'TimeoutError') throw error
+    throw new Error(`the server did not confirm SUBSCRIBE to ${channel} within ${SUBSCRIBE_MS} ms: the client's Redis user may not SUBSCRIBE to it? (Valkey GLIDE retries it in the background, and logs why)`)
+  }
+}
+
 /** GLIDE's `Decoder.Bytes` and `ProtocolVersion.RESP3`, by value (the package is not a dependency). */
 const BYTES = 0
 const RESP3 = 0
@@ -106,8 +144,8 @@ export class GlideDriver implements RedisDriver {
       pubsubSubscriptions: { channelsAndPatterns: {}, callback: (message: { channel: unknown }) => { events.message(String(message.channel)) } }
     })
     return {
-      subscribe: (channel) => connection.subscribe(new Set([channel]), 0),
-      unsubscribe: (channel) => connection.unsubscribe(new Set([channel]), 0),
+      subscribe: async (channel) => { await confirmed(connection, channel) },
+      unsubscribe: (channel) => connection.unsubscribe(new Set([channel]), SUBSCRIBE_MS),
       close: () => { connection.close() }
     }
   }
@@ -129,8 +167,7 @@ export class GlideDriver implements RedisDriver {
     if (!(error instanceof Error) || error.name !== 'RequestError') return null
     const named = /^An error was signalled by the server: - (\w+): (.*)$/s.exec(error.message)
     if (named === null) return /^[A-Z]+\b/.exec(error.message)?.[0] ?? null
-    if (named[1] === 'NoScriptError') return 'NOSCRIPT'
     if (named[1] === 'ResponseError' || named[1] === 'ExtensionError') return /^[A-Z]+\b/.exec(named[2]!)?.[0] ?? named[1]
-    return null
+    return GLIDE_KINDS.get(named[1]!) ?? null
   }
 }

@@ -18,10 +18,10 @@ import { beforeAbort, failed, messageOf, passed, ProofAbortedError, warning } fr
 import type { TokenGenerator } from '../tokens.js'
 import type { StoreCheck, StoreProofOptions } from '../types.js'
 import { encodeEntry, encodeLease, fenceOf } from './codec.js'
-import type { CommandArg, RedisDriver, Subscription } from './driver.js'
+import { SilentServerError, type CommandArg, type RedisDriver, type Subscription } from './driver.js'
 import { channelOf } from './keys.js'
 import { END_LEASE, MARK_WAITING, RENEW, type Script, type ScriptForm } from './scripts.js'
-import { evictionCheck, persistenceCheck } from './server-settings.js'
+import { evictionCheck, persistenceCheck, replicaCheck } from './server-settings.js'
 
 /** How long a probe left by a process that died mid-proof stays, at most. */
 const PROBE_MS = 10_000
@@ -64,6 +64,8 @@ export async function proveRedis (context: RedisProofContext, options: StoreProo
   } finally {
     await proof.cleanUp()
   }
+  const replica = await replicaCheck(context.driver, options.signal)
+  if (replica !== null) checks.push(replica)
   checks.push(await evictionCheck(context.driver, context.allowEviction, options.signal))
   const persistence = await persistenceCheck(context.driver, options.signal)
   if (persistence !== null) checks.push(persistence)
@@ -141,6 +143,7 @@ class Proof {
       if (!name.endsWith('(again)')) this.checks.push(passed(name, 'begin takes a lease this way'))
       return token
     } catch (error) {
+      if (error instanceof Unreachable) throw error
       this.checks.push(this.#setRefused(name, error))
       return null
     }
@@ -152,8 +155,12 @@ class Proof {
     if (code === 'NOPERM') return failed(name, `SET was refused: ${reason}`, `allow SET and GET on the keys under "${this.#context.prefix}" in the ACL of the client's Redis user (+set +get ~${this.#driver.keyPrefix}${this.#context.prefix}*): every request begins with it`)
     if (code === 'READONLY') return failed(name, `the server is a read-only replica: ${reason}`, 'point the client at the primary: every request writes its key')
     if (code === 'OOM') return failed(name, `Redis is full: ${reason}`, 'free memory or raise maxmemory: no new key can be taken until then')
+    const writes = 'every request writes its key'
+    if (code === 'NOREPLICAS') return failed(name, `Redis refuses writes while it has fewer replicas than min-replicas-to-write: ${reason}`, `bring its replicas back, or lower min-replicas-to-write: ${writes}`)
+    if (code === 'MISCONF') return failed(name, `Redis refuses writes since it failed to save a snapshot: ${reason}`, `fix what keeps it from saving (its log says), or set stop-writes-on-bgsave-error no: ${writes}`)
+    if (code === 'BUSY') return failed(name, `Redis is busy running a script: ${reason}`, 'end the script (SCRIPT KILL, or FUNCTION KILL) or wait for it: Redis answers nothing else meanwhile')
     if (/syntax/i.test(reason)) return failed(name, `the server refuses SET with NX and GET together: ${reason}`, 'use Redis 7.0 or later, or Valkey')
-    return failed(name, `the server refuses SET … PX … NX GET: ${reason}`, 'use Redis 7.0 or later, or Valkey, with the SET command allowed')
+    return failed(name, `the server refuses SET … PX … NX GET: ${reason}`, 'Redis\'s reason says what to change: every request begins with this command')
   }
 
   /** A plain command on the probe, said passed or refused. */
@@ -162,6 +169,7 @@ class Proof {
       await this.#send(this.#driver.call(command, this.#key, args), name)
       this.checks.push(passed(name, why))
     } catch (error) {
+      if (error instanceof Unreachable) throw error
       this.checks.push(failed(name, `${name} was refused: ${messageOf(error)}`, `allow ${name} in the ACL of the client's Redis user (+${command}): ${why}`))
     }
   }
@@ -187,6 +195,7 @@ class Proof {
     try {
       answer = Number(await this.#send(this.#driver.script(script, this.#key, args, form), shown))
     } catch (error) {
+      if (error instanceof Unreachable) throw error
       const reason = messageOf(error)
       const code = this.#driver.replyCode(error)
       if (code === 'NOPERM') {
@@ -258,9 +267,19 @@ class Proof {
     }
   }
 
+  /**
+   * Nothing more can be proven: Redis refused the connection, or took it and answered nothing (a
+   * command past the proof's time, a client connected and never ready), which is said apart.
+   */
   #unreachable (error: unknown): never {
-    this.checks.push(failed('connection', `Redis cannot be reached through the ${this.#driver.family} client: ${messageOf(error)}`,
-      'check that Redis runs, and the client\'s host, port, TLS and credentials'))
+    const family = this.#driver.family
+    if (error instanceof ProofAbortedError || error instanceof SilentServerError) {
+      this.checks.push(failed('connection', `Redis did not answer through the ${family} client: ${messageOf(error)}`,
+        'check that Redis answers (a server paused or overloaded, a long script or command that blocks it, a network that drops packets), and the client\'s host, port, TLS and credentials'))
+    } else {
+      this.checks.push(failed('connection', `Redis cannot be reached through the ${family} client: ${messageOf(error)}`,
+        'check that Redis runs, and the client\'s host, port, TLS and credentials'))
+    }
     throw new Unreachable()
   }
 }

@@ -97,3 +97,20 @@ export async function persistenceCheck (driver: RedisDriver, signal: AbortSignal
   }
   return passed(name, `snapshots (save ${save[0]}), no append-only file: a restart forgets what changed since the last snapshot`)
 }
+
+/**
+ * A replica that takes writes (`replica-read-only no`): the probe's writes succeed there, but
+ * they reach neither the primary nor the app's other instances, so a key runs once per server.
+ * A failure, or `null` (a primary; or INFO refused, which the eviction check says).
+ */
+export async function replicaCheck (driver: RedisDriver, signal: AbortSignal | undefined): Promise<StoreCheck | null> {
+  let roles: string[]
+  try {
+    roles = (await beforeAbort(driver.eachMaster(['INFO', 'replication']), signal, 'INFO replication')).map((reply) => infoFields(reply).get('role') ?? '')
+  } catch {
+    return null
+  }
+  if (!roles.includes('slave')) return null
+  return failed('replica', 'the server is a replica (role:slave) that takes writes (replica-read-only no): what the store writes there never reaches the primary nor the app\'s other instances, and the next resync drops it',
+    'point the client at the primary')
+}
