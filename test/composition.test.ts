@@ -474,3 +474,116 @@ describe('a body schema set by an onRoute hook: the fingerprint is the body as i
     })
   }
 })
+
+/** `route`'s hooks of `name` as a list (absent, one function or an array). */
+function hookList (route: RouteOptions, name: 'onSend' | 'onError'): unknown[] {
+  const existing: unknown = route[name]
+  return existing === undefined ? [] : Array.isArray(existing) ? existing : [existing]
+}
+
+describe('onSend and onError hooks an onRoute hook after the plugin sets by assignment, taking the plugin\'s away', () => {
+  it('route.onSend = hook: the response is still stored whole, and the retry gets it with the hook\'s header', async () => {
+    const app = newApp()
+    await withPlugin(app)
+    app.addHook('onRoute', (route) => {
+      route.onSend = (_request, reply, payload, done) => { reply.header('x-frame-options', 'DENY'); done(null, payload) }
+    })
+    const path = '/assigned/onSend'
+    app.post(path, { config: { idempotency: true } }, order(path))
+    const url = `${await listen(app)}${path}`
+    await expectGuarded(url, path)
+    const key = newKey()
+    await json()(url, key, 'A1')
+    const retry = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }) })
+    expect(retry.headers.get('idempotent-body-omitted')).toBe(null)
+    expect(retry.headers.get('x-frame-options')).toBe('DENY')
+  })
+
+  it('route.onError = hook: a thrown error that the error handler answers with a cacheable status is still never stored', async () => {
+    const app = Fastify()
+    apps.push(app)
+    await app.register(idempotency)
+    // A GraphQL-like error handler: errors answered 200.
+    app.setErrorHandler((error, _request, reply) => { void reply.code(200).send({ errors: [(error as Error).message] }) })
+    const reported: string[] = []
+    app.addHook('onRoute', (route) => {
+      route.onError = async (_request, _reply, error) => { reported.push(error.message) }
+    })
+    const path = '/assigned/onError'
+    app.post(path, { config: { idempotency: true } }, async () => {
+      runs.set(path, ran(path) + 1)
+      throw new Error('payment provider timeout')
+    })
+    const url = `${await listen(app)}${path}`
+    const key = newKey()
+    const first = await json()(url, key, 'A1')
+    expect(first.status).toBe(200)
+    const retry = await json()(url, key, 'A1')
+    expect(retry.replayed).toBe(false)
+    expect(ran(path)).toBe(2)
+    expect(reported).toStrictEqual(['payment provider timeout', 'payment provider timeout'])
+  })
+
+  it('the hooks a route had before the assignment are not brought back, and the plugin\'s are on the route once', async () => {
+    const app = newApp()
+    await withPlugin(app)
+    let seen: RouteOptions | undefined
+    app.addHook('onRoute', (route) => {
+      route.onSend = (_request, _reply, payload, done) => { done(null, payload) }
+      route.onError = (_request, _reply, _error, done) => { done() }
+      seen = route
+    })
+    const path = '/assigned/once'
+    const own = (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: null, payload: unknown) => void): void => { done(null, payload) }
+    app.post(path, { config: { idempotency: true }, onSend: own }, order(path))
+    await app.ready()
+    const sends = hookList(seen!, 'onSend')
+    expect(sends).not.toContain(own)
+    // The plugin's onSend, the app's, and the plugin's last one (head-bytes.ts), each once.
+    expect(sends).toHaveLength(3)
+    expect(new Set(sends).size).toBe(3)
+    expect(hookList(seen!, 'onError')).toHaveLength(2)
+  })
+})
+
+describe('an onSend hook after the plugin\'s that never hands the response on', () => {
+  // A response signer whose service is down: its error is answered by the error handler, then by
+  // Fastify's own when the hook fails that answer too; or a hook that hijacks the reply.
+  for (const ending of ['fails every time', 'fails once', 'hijacks the reply'] as const) {
+    it(`${ending}: the handler ran once, and its answer is kept for the retry (the lease does not lapse into a second run)`, async () => {
+      const app = newApp()
+      await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
+      let failures = ending === 'fails once' ? 1 : Number.POSITIVE_INFINITY
+      app.addHook('onRoute', (route) => {
+        route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+          if (failures > 0 && ending === 'hijacks the reply') {
+            failures = 0
+            reply.hijack()
+            reply.raw.writeHead(502, { 'content-type': 'text/plain' }).end('bad gateway')
+            return
+          }
+          if (failures-- > 0) {
+            done(new Error('signing service down'))
+            return
+          }
+          reply.header('x-signature', 'signed')
+          done(null, payload)
+        }]
+      })
+      const path = `/later-onsend/${ending.replaceAll(' ', '-')}`
+      app.post(path, { config: { idempotency: true } }, order(path))
+      const url = `${await listen(app)}${path}`
+      const key = newKey()
+      const first = await json()(url, key, 'A1')
+      expect(first.status).toBe(ending === 'hijacks the reply' ? 502 : 500)
+      // Past the lease and the longest it is renewed.
+      await new Promise((resolve) => setTimeout(resolve, 500))
+      failures = 0
+      const retry = await json()(url, key, 'A1')
+      expect(ran(path)).toBe(1)
+      expect(retry.replayed, retry.body).toBe(true)
+      expect(retry.status).toBe(201)
+      expect(JSON.parse(retry.body)).toMatchObject({ id: 1, sku: 'A1' })
+    })
+  }
+})

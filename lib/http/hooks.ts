@@ -29,7 +29,7 @@ import { kState, HttpRequestState, type GuardedRequest, type GuardedRoute } from
 import { takeArrivedBody, takeFingerprint, unparsedBodyHash } from './request-fingerprint.js'
 import { replayResponse } from './replay.js'
 import { hasCredentials, resolveScope } from './scope.js'
-import { handOn, settleFinal, settleHijacked, settleResponse } from './settle-response.js'
+import { handOn, settleFinal, settleHijacked, settleResponse, settleWithoutFinal } from './settle-response.js'
 
 export { kState, type IdempotencyRequestContext } from './request-context.js'
 
@@ -266,8 +266,16 @@ function run (reply: FastifyReply, http: HttpRequestState): void {
   reply.raw.on('close', () => { onClose(reply, http) })
 }
 
-/** The reply's 'close', while the handler may still be running. */
+/** The reply's 'close', while the handler may still be running, or its answer waits for the route's last onSend hook. */
 function onClose (reply: FastifyReply, http: HttpRequestState): void {
+  if (http.finalEnding !== null) {
+    // The response ended without reaching the route's last onSend hook: one after the plugin's
+    // failed (its error answered by Fastify's own handler, which runs no onSend hook) or hijacked
+    // the reply. The handler answered: its answer is settled as the plugin's onSend took it,
+    // rather than left to a lease that lapses into a second run.
+    settleWithoutFinal(reply, http)
+    return
+  }
   if (http.state.phase !== 'running') return
   // Hijacked, ended by hand, or written by hand (@fastify/sse writes its events on reply.raw):
   // onSend will never run for what was written. With its head out, the handler has answered, so

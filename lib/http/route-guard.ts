@@ -145,10 +145,17 @@ function guard (registration: Registration, route: Route, name: string, url: str
  * by the order of registration (docs/headers.md).
  */
 function placeLast (route: Route, hooks: RouteHooks): void {
+  // An onRoute hook after this one may have set the route's onSend or onError by assignment
+  // (`route.onSend = hook`), taking the plugin's away with the rest: without them no answer would
+  // be captured, and a failed request would be stored. They are put back: the onSend before the
+  // assigned hooks, which were added after it.
+  const sends = hookList(route, 'onSend')
+  const restored = sends.includes(hooks.onSend) ? sends : [hooks.onSend, ...sends]
+  const errors = hookList(route, 'onError')
+  if (!errors.includes(hooks.onError)) (route as Record<HookName, unknown>).onError = [...errors, hooks.onError]
   // When onSend hooks of the route run after the plugin's, the last one settles what needs to see
   // the payload Fastify sends (how the head goes out, head-bytes.ts).
-  const sends = hookList(route, 'onSend')
-  const others = sends.filter((hook) => hook !== hooks.finalOnSend)
+  const others = restored.filter((hook) => hook !== hooks.finalOnSend)
   const later = others[others.length - 1] !== hooks.onSend
   hooks.laterOnSend(later)
   if (later || others.length !== sends.length) (route as Record<HookName, unknown>).onSend = later ? [...others, hooks.finalOnSend] : others

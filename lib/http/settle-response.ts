@@ -85,6 +85,19 @@ export function settleFinal (reply: FastifyReply, http: HttpRequestState, payloa
 }
 
 /**
+ * 'close' of a response whose settle waited for the route's last onSend hook, which it never
+ * reached: an onSend hook after the plugin's failed and the error was answered without the onSend
+ * hooks, or it hijacked the reply. The handler did answer, so its answer is settled as the
+ * plugin's onSend took it (its head as if written on its own): kept for a retry, as when the
+ * plugin's onSend is the route's last. Nothing can be withheld any more.
+ */
+export function settleWithoutFinal (reply: FastifyReply, http: HttpRequestState): void {
+  const ending = http.finalEnding!
+  http.finalEnding = null
+  void end(reply, http, ending, 'hijacked')
+}
+
+/**
  * A response with trailers is settled once their values are known, and they reach the client once
  * it is (trailers.ts). Its body is on its way by then: a success that must not be delivered is cut.
  */
