@@ -384,6 +384,10 @@ function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyEr
   if (isIdempotencyError(error)) reply.headers(error.headers)
   const http = (request as GuardedRequest)[kState]
   if (http !== null) {
+    // An onSend hook after the plugin's failed: the handler did answer, and the error's answer may
+    // never reach the route's last onSend hook (Fastify answers a second failure without them, and
+    // writes nothing to a client that left), so the answer is settled now (see onClose).
+    if (http.finalEnding !== null) settleWithoutFinal(reply, http)
     http.failed = true
     if (http.state.transaction !== null && http.route.engine.door.isConflict(error)) transactionConflict(request, reply, http, error)
   }

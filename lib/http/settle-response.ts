@@ -85,11 +85,11 @@ export function settleFinal (reply: FastifyReply, http: HttpRequestState, payloa
 }
 
 /**
- * 'close' of a response whose settle waited for the route's last onSend hook, which it never
- * reached: an onSend hook after the plugin's failed and the error was answered without the onSend
- * hooks, or it hijacked the reply. The handler did answer, so its answer is settled as the
- * plugin's onSend took it (its head as if written on its own): kept for a retry, as when the
- * plugin's onSend is the route's last. Nothing can be withheld any more.
+ * A response whose settle waited for the route's last onSend hook, which it will not reach: an
+ * onSend hook after the plugin's failed (onError), or hijacked the reply ('close'). The handler
+ * did answer, so its answer is settled as the plugin's onSend took it (its head as if written on
+ * its own): kept for a retry, as when the plugin's onSend is the route's last. What the client gets
+ * is no longer that answer, so nothing is withheld.
  */
 export function settleWithoutFinal (reply: FastifyReply, http: HttpRequestState): void {
   const ending = http.finalEnding!
