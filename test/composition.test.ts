@@ -19,6 +19,8 @@ import { z } from 'zod'
 import idempotency, { IdempotencyFingerprintMismatchError, IdempotencyKeyInvalidError, IdempotencyKeyMissingError, IdempotencyRequestInProgressError, idempotencyErrorHandler, idempotencyTransform, type FingerprintOptions, type IdempotencyOptions } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
 import { Gate } from './helpers/gate.js'
+import { storeCases } from './helpers/stores.js'
+import { transactionOf } from '../lib/knex.js'
 
 const apps: FastifyInstance[] = []
 afterEach(async () => { for (const app of apps.splice(0)) await app.close() })
@@ -625,3 +627,61 @@ describe('an onSend hook after the plugin\'s that fails every time, for a reques
     expect(retry.status).toBe(201)
   })
 })
+
+const sqlStores = (await storeCases()).filter((store) => store.knex !== undefined)
+
+for (const store of sqlStores) {
+  describe.skipIf(!store.available)(`an onSend hook after the plugin's that fails, in transaction mode, on ${store.name}${store.reason}`, () => {
+    afterAll(async () => { await store.cleanup() })
+
+    it('the handler\'s writes commit with its answer, the retry is replayed, and no transaction is left open', async () => {
+      const storage = await store.create()
+      const knex = store.knex!()
+      const table = `composition_orders_${process.pid}_${Date.now()}`
+      await knex.schema.createTable(table, (t) => { t.increments('id'); t.string('sku') })
+      try {
+        const app = newApp()
+        await withPlugin(app, { storage, transaction: true, lockTimeout: 200, maxLockHold: 400 })
+        let failing = true
+        app.addHook('onRoute', (route) => {
+          route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+            if (failing) done(new Error('signing service down'))
+            else done(null, payload)
+          }]
+        })
+        const path = `/later-onsend/transaction/${store.name}`
+        app.post(path, { config: { idempotency: true } }, async (request, reply) => {
+          runs.set(path, ran(path) + 1)
+          await transactionOf(request).insert({ sku: 'A1' }).into(table)
+          reply.code(201)
+          return { id: ran(path) }
+        })
+        const url = `${await listen(app)}${path}`
+        // A request that waits for a connection that an open transaction holds gets no answer: 0.
+        const send = async (key: string): Promise<Answer | { status: 0, replayed: false, body: string }> => {
+          try {
+            return await answer(await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }), signal: AbortSignal.timeout(5000) }))
+          } catch (error) {
+            return { status: 0, replayed: false, body: String(error) }
+          }
+        }
+        const keys = [newKey(), newKey(), newKey()]
+        // More requests than the pool holds when each keeps its transaction open (SQLite's holds one).
+        const firsts = []
+        for (const key of keys) firsts.push((await send(key)).status)
+        expect(firsts).toStrictEqual([500, 500, 500])
+        expect(ran(path)).toBe(3)
+        const committed = await knex(table).count({ n: '*' })
+        expect(Number(committed[0]!.n)).toBe(3)
+        await new Promise((resolve) => setTimeout(resolve, 600))
+        failing = false
+        const retry = await send(keys[0]!)
+        expect(retry.replayed, retry.body).toBe(true)
+        expect(retry.status).toBe(201)
+        expect(ran(path)).toBe(3)
+      } finally {
+        await knex.schema.dropTableIfExists(table)
+      }
+    })
+  })
+}

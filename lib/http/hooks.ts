@@ -273,7 +273,7 @@ function onClose (reply: FastifyReply, http: HttpRequestState): void {
     // failed (its error answered by Fastify's own handler, which runs no onSend hook) or hijacked
     // the reply. The handler answered: its answer is settled as the plugin's onSend took it,
     // rather than left to a lease that lapses into a second run.
-    settleWithoutFinal(reply, http)
+    void settleWithoutFinal(reply, http)
     return
   }
   if (http.state.phase !== 'running') return
@@ -384,12 +384,19 @@ function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyEr
   if (isIdempotencyError(error)) reply.headers(error.headers)
   const http = (request as GuardedRequest)[kState]
   if (http !== null) {
-    // An onSend hook after the plugin's failed: the handler did answer, and the error's answer may
-    // never reach the route's last onSend hook (Fastify answers a second failure without them, and
-    // writes nothing to a client that left), so the answer is settled now (see onClose).
-    if (http.finalEnding !== null) settleWithoutFinal(reply, http)
     http.failed = true
     if (http.state.transaction !== null && http.route.engine.door.isConflict(error)) transactionConflict(request, reply, http, error)
+    if (http.finalEnding !== null) {
+      // An onSend hook after the plugin's failed: the handler did answer, and the error's answer
+      // may never reach the route's last onSend hook (Fastify answers a second failure without
+      // them, and writes nothing to a client that left), so the answer is settled now (see
+      // onClose), and the error answered once it is, as any answer is once stored.
+      const settled = settleWithoutFinal(reply, http)
+      if (isPromise(settled)) {
+        void settled.then(() => { done() })
+        return
+      }
+    }
   }
   done()
 }

@@ -91,10 +91,12 @@ export function settleFinal (reply: FastifyReply, http: HttpRequestState, payloa
  * its own): kept for a retry, as when the plugin's onSend is the route's last. What the client gets
  * is no longer that answer, so nothing is withheld.
  */
-export function settleWithoutFinal (reply: FastifyReply, http: HttpRequestState): void {
+export function settleWithoutFinal (reply: FastifyReply, http: HttpRequestState): MaybePromise<void> {
   const ending = http.finalEnding!
   http.finalEnding = null
-  void end(reply, http, ending, 'hijacked')
+  const ended = end(reply, http, ending, 'hijacked')
+  // Settling reports its own failures; one that escapes it must still not go unhandled.
+  return isPromise(ended) ? ended.catch((error: unknown) => { reply.log.error({ err: error }, 'fastify-idempotency: settling a response an onSend hook did not hand on failed') }) : ended
 }
 
 /**
