@@ -685,3 +685,39 @@ for (const store of sqlStores) {
     })
   })
 }
+
+describe('a preHandler hook of the app that changes the body: the fingerprint is the body before it, with a body schema or without', () => {
+  for (const schema of [false, true]) {
+    it(`${schema ? 'with' : 'without'} a body schema: an identical retry is replayed, another body refused 409`, async () => {
+      const app = newApp()
+      await withPlugin(app)
+      const path = `/prehandler-body/${schema ? 'schema' : 'none'}`
+      app.post(path, {
+        config: { idempotency: true },
+        ...(schema ? { schema: { body: { type: 'object', properties: { sku: { type: 'string' } } } } } : {}),
+        // The app stamps each request's body with when it was received.
+        preHandler: async (request) => { (request.body as Record<string, unknown>).receivedAt = process.hrtime.bigint().toString() }
+      }, order(path))
+      await expectGuarded(`${await listen(app)}${path}`, path)
+    })
+  }
+})
+
+describe('a body the plugin cannot fingerprint, sent to a route whose preHandler hook refuses the request', () => {
+  for (const schema of [false, true]) {
+    it(`${schema ? 'with' : 'without'} a body schema: the app's refusal answers, not the plugin's`, async () => {
+      const app = newApp()
+      await withPlugin(app)
+      const path = `/unfingerprintable/${schema ? 'schema' : 'none'}`
+      app.post(path, {
+        config: { idempotency: true },
+        ...(schema ? { schema: { body: { type: 'array' } } } : {}),
+        preHandler: async (_request, reply) => await reply.code(401).send({ error: 'sign in' })
+      }, order(path))
+      const deep = `${'['.repeat(1100)}${']'.repeat(1100)}`
+      const refused = await answer(await fetch(`${await listen(app)}${path}`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': newKey() }, body: deep }))
+      expect(refused.status, refused.body).toBe(401)
+      expect(ran(path)).toBe(0)
+    })
+  }
+})

@@ -126,8 +126,9 @@ function guard (registration: Registration, route: Route, name: string, url: str
   // and a replay is never served to a request they would have refused; placeLast puts them last
   // again once every onRoute hook has run.
   add(route, 'onRequest', hooks.onRequest)
-  // The body is fingerprinted as it arrived: where a schema may change it, before validation.
-  if (route.schema?.body !== undefined) add(route, 'preValidation', hooks.preValidation)
+  // The body is fingerprinted as it arrived: before validation changes it, and before the route's
+  // own preHandler hooks do (with a schema or without, so that the outcome never depends on it).
+  add(route, 'preValidation', hooks.preValidation)
   add(route, 'preHandler', hooks.preHandler)
   add(route, 'onSend', hooks.onSend)
   add(route, 'onError', hooks.onError)
@@ -139,8 +140,9 @@ function guard (registration: Registration, route: Route, name: string, url: str
  * lists): the guard's request hooks are moved to the end of theirs, so that every hook the app
  * attached to the route, in whichever order, runs before the plugin replays, takes a lease or
  * refuses. Fastify runs the hooks of the route's contexts (`addHook`) before those of its options,
- * so those run first anyway. The body schema is final now too: with one, the body is taken before
- * validation whatever set it (the route's options, or an `onRoute` hook after this one).
+ * so those run first anyway. The body is taken in the plugin's preValidation, before validation
+ * and before the route's preHandler hooks, whatever set the route's schema (its options, or an
+ * `onRoute` hook after this one) and whether it has one.
  * `onSend` and `onError` stay where they were added: what they see of the response is documented
  * by the order of registration (docs/headers.md).
  */
@@ -162,10 +164,8 @@ function placeLast (route: Route, hooks: RouteHooks): void {
   for (const name of ['onRequest', 'preValidation', 'preHandler'] as const) {
     const existing = hookList(route, name)
     const others = existing.filter((hook) => hook !== hooks[name])
-    const wanted = name !== 'preValidation' || route.schema?.body !== undefined
-    const placed = wanted ? existing[existing.length - 1] === hooks[name] && others.length === existing.length - 1 : others.length === existing.length
-    if (placed) continue
-    ;(route as Record<HookName, unknown>)[name] = wanted ? [...others, hooks[name]] : others
+    if (existing[existing.length - 1] === hooks[name] && others.length === existing.length - 1) continue
+    ;(route as Record<HookName, unknown>)[name] = [...others, hooks[name]]
   }
 }
 
