@@ -272,9 +272,9 @@ function run (reply: FastifyReply, http: HttpRequestState): void {
 function onClose (reply: FastifyReply, http: HttpRequestState): void {
   if (http.finalEnding !== null) {
     // The response ended without reaching the route's last onSend hook: one after the plugin's
-    // failed (its error answered by Fastify's own handler, which runs no onSend hook) or hijacked
-    // the reply. The handler answered: its answer is settled as the plugin's onSend took it,
-    // rather than left to a lease that lapses into a second run.
+    // hijacked the reply (one that failed is settled in onError). The handler answered: its answer
+    // is settled as the plugin's onSend took it, rather than left to a lease that lapses into a
+    // second run.
     void settleWithoutFinal(reply, http)
     return
   }

@@ -2,8 +2,9 @@
  * A request's fingerprint as the hooks take it, and its comparison with what a store holds.
  *
  * The body counts as it arrived: it is taken in preValidation, before the route's preHandler
- * hooks can change it and before validation coerces it, fills in defaults, strips members or (with a type provider such
- * as fastify-type-provider-zod) transforms it into values JSON cannot hold. Two requests with the
+ * hooks can change it and before validation coerces it, fills in defaults, strips members or
+ * (with a type provider such as fastify-type-provider-zod) transforms it into values JSON cannot
+ * hold. Two requests with the
  * same body are the same request whatever the schema makes of them, and a transform that is not
  * deterministic (a default of `new Date()`) cannot turn a retry into a mismatch.
  *
