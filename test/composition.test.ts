@@ -591,41 +591,46 @@ describe('an onSend hook after the plugin\'s that never hands the response on', 
 })
 
 describe('an onSend hook after the plugin\'s that fails every time, for a request whose client left before the handler ran', () => {
-  it('the handler ran once, and its answer is kept for the retry', async () => {
-    const app = newApp()
-    await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
-    let failing = true
-    app.addHook('onRoute', (route) => {
-      route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
-        if (failing) done(new Error('signing service down'))
-        else done(null, payload)
-      }]
+  for (const trailer of [false, true]) {
+    it(`the handler ran once, and its answer is kept for the retry${trailer ? ' (an answer with a trailer)' : ''}`, async () => {
+      const app = newApp()
+      await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
+      let failing = true
+      app.addHook('onRoute', (route) => {
+        route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+          if (failing) done(new Error('signing service down'))
+          else done(null, payload)
+        }]
+      })
+      const path = `/later-onsend/client-left/${trailer ? 'trailer' : 'plain'}`
+      const gate = new Gate()
+      app.post(path, {
+        config: { idempotency: true },
+        // The app's own check, slower than the client's patience: the client is gone when the lease is taken.
+        preHandler: async () => { await gate.hold() }
+      }, async (request, reply) => {
+        if (trailer) reply.trailer('x-checksum', async () => 'sum')
+        return await order(path)(request, reply)
+      })
+      const url = `${await listen(app)}${path}`
+      const key = newKey()
+      const controller = new AbortController()
+      const first = fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }), signal: controller.signal })
+      await gate.entered
+      controller.abort()
+      await expect(first).rejects.toThrow()
+      await new Promise((resolve) => setTimeout(resolve, 50))
+      gate.open()
+      await vi.waitFor(() => { expect(ran(path)).toBe(1) })
+      // Past the lease.
+      await new Promise((resolve) => setTimeout(resolve, 500))
+      failing = false
+      const retry = await json()(url, key, 'A1')
+      expect(ran(path)).toBe(1)
+      expect(retry.replayed, retry.body).toBe(true)
+      expect(retry.status).toBe(201)
     })
-    const path = '/later-onsend/client-left'
-    const gate = new Gate()
-    app.post(path, {
-      config: { idempotency: true },
-      // The app's own check, slower than the client's patience: the client is gone when the lease is taken.
-      preHandler: async () => { await gate.hold() }
-    }, order(path))
-    const url = `${await listen(app)}${path}`
-    const key = newKey()
-    const controller = new AbortController()
-    const first = fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }), signal: controller.signal })
-    await gate.entered
-    controller.abort()
-    await expect(first).rejects.toThrow()
-    await new Promise((resolve) => setTimeout(resolve, 50))
-    gate.open()
-    await vi.waitFor(() => { expect(ran(path)).toBe(1) })
-    // Past the lease.
-    await new Promise((resolve) => setTimeout(resolve, 500))
-    failing = false
-    const retry = await json()(url, key, 'A1')
-    expect(ran(path)).toBe(1)
-    expect(retry.replayed, retry.body).toBe(true)
-    expect(retry.status).toBe(201)
-  })
+  }
 })
 
 const sqlStores = (await storeCases()).filter((store) => store.knex !== undefined)

@@ -388,6 +388,9 @@ function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyEr
   if (http !== null) {
     http.failed = true
     if (http.state.transaction !== null && http.route.engine.door.isConflict(error)) transactionConflict(request, reply, http, error)
+    // An onSend hook after the plugin's failed on an answer with trailers whose client left before
+    // it: Fastify writes nothing more to it, and never asks for them; 'close' came already.
+    if (http.trailers !== null && reply.raw.destroyed) http.trailers.abandon()
     if (http.finalEnding !== null) {
       // An onSend hook after the plugin's failed: the handler did answer, and the error's answer
       // may never reach the route's last onSend hook (Fastify answers a second failure without

@@ -104,7 +104,7 @@ export function settleWithoutFinal (reply: FastifyReply, http: HttpRequestState)
  * it is (trailers.ts). Its body is on its way by then: a success that must not be delivered is cut.
  */
 function afterTrailers (reply: FastifyReply, http: HttpRequestState, trailers: NonNullable<ReturnType<typeof replyTrailers>>, ending: MaybePromise<Ending>): void {
-  const collected = collectTrailers(reply, trailers)
+  const collected = http.trailers = collectTrailers(reply, trailers)
   // A key given back (a stream that failed, whose trailers Fastify never asks for) is at once.
   const settled = Promise.resolve(ending).then(async (known) => {
     await end(reply, http, known.kind === 'store' ? { ...known, response: withTrailers(known.response, await collected.values) } : known, 'stream')
