@@ -590,6 +590,34 @@ describe('an onSend hook after the plugin\'s that never hands the response on', 
   }
 })
 
+describe('an onSend hook after the plugin\'s that fails every time, on an answer with a trailer', () => {
+  it('the handler ran once, and its answer is kept for the retry, without the trailer Fastify never asked for', async () => {
+    const app = newApp()
+    await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
+    let failing = true
+    app.addHook('onRoute', (route) => {
+      route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+        if (failing) done(new Error('signing service down'))
+        else done(null, payload)
+      }]
+    })
+    const path = '/later-onsend/trailer'
+    app.post(path, { config: { idempotency: true } }, async (request, reply) => {
+      reply.trailer('x-checksum', async () => 'sum')
+      return await order(path)(request, reply)
+    })
+    const url = `${await listen(app)}${path}`
+    const key = newKey()
+    expect((await json()(url, key, 'A1')).status).toBe(500)
+    await new Promise((resolve) => setTimeout(resolve, 500))
+    failing = false
+    const retry = await json()(url, key, 'A1')
+    expect(ran(path)).toBe(1)
+    expect(retry.replayed, retry.body).toBe(true)
+    expect(retry.status).toBe(201)
+  })
+})
+
 describe('an onSend hook after the plugin\'s that fails every time, for a request whose client left before the handler ran', () => {
   for (const trailer of [false, true]) {
     it(`the handler ran once, and its answer is kept for the retry${trailer ? ' (an answer with a trailer)' : ''}`, async () => {
