@@ -8,7 +8,7 @@
  * body, and the handler ran once. A route's own answers are what they are without the plugin.
  * (@fastify/autoload, which loads files, is in test/autoload.test.ts.)
  */
-import { afterAll, afterEach, describe, expect, it } from 'vitest'
+import { afterAll, afterEach, describe, expect, it, vi } from 'vitest'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest, type RouteOptions } from 'fastify'
 import fp from 'fastify-plugin'
 import multipart from '@fastify/multipart'
@@ -19,6 +19,8 @@ import { z } from 'zod'
 import idempotency, { IdempotencyFingerprintMismatchError, IdempotencyKeyInvalidError, IdempotencyKeyMissingError, IdempotencyRequestInProgressError, idempotencyErrorHandler, idempotencyTransform, type FingerprintOptions, type IdempotencyOptions } from '../lib/index.js'
 import { newKey } from './helpers/app.js'
 import { Gate } from './helpers/gate.js'
+import { storeCases } from './helpers/stores.js'
+import { transactionOf } from '../lib/knex.js'
 
 const apps: FastifyInstance[] = []
 afterEach(async () => { for (const app of apps.splice(0)) await app.close() })
@@ -471,6 +473,284 @@ describe('a body schema set by an onRoute hook: the fingerprint is the body as i
         expectProblem(await send(key, same), IdempotencyFingerprintMismatchError, 409, key)
       }
       expect(ran(path)).toBe(3)
+    })
+  }
+})
+
+/** `route`'s hooks of `name` as a list (absent, one function or an array). */
+function hookList (route: RouteOptions, name: 'onSend' | 'onError'): unknown[] {
+  const existing: unknown = route[name]
+  return existing === undefined ? [] : Array.isArray(existing) ? existing : [existing]
+}
+
+describe('onSend and onError hooks an onRoute hook after the plugin sets by assignment, taking the plugin\'s away', () => {
+  it('route.onSend = hook: the response is still stored whole, and the retry gets it with the hook\'s header', async () => {
+    const app = newApp()
+    await withPlugin(app)
+    app.addHook('onRoute', (route) => {
+      route.onSend = (_request, reply, payload, done) => { reply.header('x-frame-options', 'DENY'); done(null, payload) }
+    })
+    const path = '/assigned/onSend'
+    app.post(path, { config: { idempotency: true } }, order(path))
+    const url = `${await listen(app)}${path}`
+    await expectGuarded(url, path)
+    const key = newKey()
+    await json()(url, key, 'A1')
+    const retry = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }) })
+    expect(retry.headers.get('idempotent-body-omitted')).toBe(null)
+    expect(retry.headers.get('x-frame-options')).toBe('DENY')
+  })
+
+  it('route.onError = hook: a thrown error that the error handler answers with a cacheable status is still never stored', async () => {
+    const app = Fastify()
+    apps.push(app)
+    await app.register(idempotency)
+    // A GraphQL-like error handler: errors answered 200.
+    app.setErrorHandler((error, _request, reply) => { void reply.code(200).send({ errors: [(error as Error).message] }) })
+    const reported: string[] = []
+    app.addHook('onRoute', (route) => {
+      route.onError = async (_request, _reply, error) => { reported.push(error.message) }
+    })
+    const path = '/assigned/onError'
+    app.post(path, { config: { idempotency: true } }, async () => {
+      runs.set(path, ran(path) + 1)
+      throw new Error('payment provider timeout')
+    })
+    const url = `${await listen(app)}${path}`
+    const key = newKey()
+    const first = await json()(url, key, 'A1')
+    expect(first.status).toBe(200)
+    const retry = await json()(url, key, 'A1')
+    expect(retry.replayed).toBe(false)
+    expect(ran(path)).toBe(2)
+    expect(reported).toStrictEqual(['payment provider timeout', 'payment provider timeout'])
+  })
+
+  it('the hooks a route had before the assignment are not brought back, and the plugin\'s are on the route once', async () => {
+    const app = newApp()
+    await withPlugin(app)
+    let seen: RouteOptions | undefined
+    app.addHook('onRoute', (route) => {
+      route.onSend = (_request, _reply, payload, done) => { done(null, payload) }
+      route.onError = (_request, _reply, _error, done) => { done() }
+      seen = route
+    })
+    const path = '/assigned/once'
+    const own = (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: null, payload: unknown) => void): void => { done(null, payload) }
+    app.post(path, { config: { idempotency: true }, onSend: own }, order(path))
+    await app.ready()
+    const sends = hookList(seen!, 'onSend')
+    expect(sends).not.toContain(own)
+    // The plugin's onSend, the app's, and the plugin's last one (head-bytes.ts), each once.
+    expect(sends).toHaveLength(3)
+    expect(new Set(sends).size).toBe(3)
+    expect(hookList(seen!, 'onError')).toHaveLength(2)
+  })
+})
+
+describe('an onSend hook after the plugin\'s that never hands the response on', () => {
+  // A response signer whose service is down: its error is answered by the error handler, then by
+  // Fastify's own when the hook fails that answer too; or a hook that hijacks the reply.
+  for (const ending of ['fails every time', 'fails once', 'hijacks the reply'] as const) {
+    it(`${ending}: the handler ran once, and its answer is kept for the retry (the lease does not lapse into a second run)`, async () => {
+      const app = newApp()
+      await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
+      let failures = ending === 'fails once' ? 1 : Number.POSITIVE_INFINITY
+      app.addHook('onRoute', (route) => {
+        route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+          if (failures > 0 && ending === 'hijacks the reply') {
+            failures = 0
+            reply.hijack()
+            reply.raw.writeHead(502, { 'content-type': 'text/plain' }).end('bad gateway')
+            return
+          }
+          if (failures-- > 0) {
+            done(new Error('signing service down'))
+            return
+          }
+          reply.header('x-signature', 'signed')
+          done(null, payload)
+        }]
+      })
+      const path = `/later-onsend/${ending.replaceAll(' ', '-')}`
+      app.post(path, { config: { idempotency: true } }, order(path))
+      const url = `${await listen(app)}${path}`
+      const key = newKey()
+      const first = await json()(url, key, 'A1')
+      expect(first.status).toBe(ending === 'hijacks the reply' ? 502 : 500)
+      // Past the lease and the longest it is renewed.
+      await new Promise((resolve) => setTimeout(resolve, 500))
+      failures = 0
+      const retry = await json()(url, key, 'A1')
+      expect(ran(path)).toBe(1)
+      expect(retry.replayed, retry.body).toBe(true)
+      expect(retry.status).toBe(201)
+      expect(JSON.parse(retry.body)).toMatchObject({ id: 1, sku: 'A1' })
+    })
+  }
+})
+
+describe('an onSend hook after the plugin\'s that fails every time, on an answer with a trailer', () => {
+  it('the handler ran once, and its answer is kept for the retry, without the trailer Fastify never asked for', async () => {
+    const app = newApp()
+    await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
+    let failing = true
+    app.addHook('onRoute', (route) => {
+      route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+        if (failing) done(new Error('signing service down'))
+        else done(null, payload)
+      }]
+    })
+    const path = '/later-onsend/trailer'
+    app.post(path, { config: { idempotency: true } }, async (request, reply) => {
+      reply.trailer('x-checksum', async () => 'sum')
+      return await order(path)(request, reply)
+    })
+    const url = `${await listen(app)}${path}`
+    const key = newKey()
+    expect((await json()(url, key, 'A1')).status).toBe(500)
+    await new Promise((resolve) => setTimeout(resolve, 500))
+    failing = false
+    const retry = await json()(url, key, 'A1')
+    expect(ran(path)).toBe(1)
+    expect(retry.replayed, retry.body).toBe(true)
+    expect(retry.status).toBe(201)
+  })
+})
+
+describe('an onSend hook after the plugin\'s that fails every time, for a request whose client left before the handler ran', () => {
+  for (const trailer of [false, true]) {
+    it(`the handler ran once, and its answer is kept for the retry${trailer ? ' (an answer with a trailer)' : ''}`, async () => {
+      const app = newApp()
+      await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
+      let failing = true
+      app.addHook('onRoute', (route) => {
+        route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+          if (failing) done(new Error('signing service down'))
+          else done(null, payload)
+        }]
+      })
+      const path = `/later-onsend/client-left/${trailer ? 'trailer' : 'plain'}`
+      const gate = new Gate()
+      app.post(path, {
+        config: { idempotency: true },
+        // The app's own check, slower than the client's patience: the client is gone when the lease is taken.
+        preHandler: async () => { await gate.hold() }
+      }, async (request, reply) => {
+        if (trailer) reply.trailer('x-checksum', async () => 'sum')
+        return await order(path)(request, reply)
+      })
+      const url = `${await listen(app)}${path}`
+      const key = newKey()
+      const controller = new AbortController()
+      const first = fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }), signal: controller.signal })
+      await gate.entered
+      controller.abort()
+      await expect(first).rejects.toThrow()
+      await new Promise((resolve) => setTimeout(resolve, 50))
+      gate.open()
+      await vi.waitFor(() => { expect(ran(path)).toBe(1) })
+      // Past the lease.
+      await new Promise((resolve) => setTimeout(resolve, 500))
+      failing = false
+      const retry = await json()(url, key, 'A1')
+      expect(ran(path)).toBe(1)
+      expect(retry.replayed, retry.body).toBe(true)
+      expect(retry.status).toBe(201)
+    })
+  }
+})
+
+const sqlStores = (await storeCases()).filter((store) => store.knex !== undefined)
+
+for (const store of sqlStores) {
+  describe.skipIf(!store.available)(`an onSend hook after the plugin's that fails, in transaction mode, on ${store.name}${store.reason}`, () => {
+    afterAll(async () => { await store.cleanup() })
+
+    it('the handler\'s writes commit with its answer, the retry is replayed, and no transaction is left open', async () => {
+      const storage = await store.create()
+      const knex = store.knex!()
+      const table = `composition_orders_${process.pid}_${Date.now()}`
+      await knex.schema.createTable(table, (t) => { t.increments('id'); t.string('sku') })
+      try {
+        const app = newApp()
+        await withPlugin(app, { storage, transaction: true, lockTimeout: 200, maxLockHold: 400 })
+        let failing = true
+        app.addHook('onRoute', (route) => {
+          route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+            if (failing) done(new Error('signing service down'))
+            else done(null, payload)
+          }]
+        })
+        const path = `/later-onsend/transaction/${store.name}`
+        app.post(path, { config: { idempotency: true } }, async (request, reply) => {
+          runs.set(path, ran(path) + 1)
+          await transactionOf(request).insert({ sku: 'A1' }).into(table)
+          reply.code(201)
+          return { id: ran(path) }
+        })
+        const url = `${await listen(app)}${path}`
+        // A request that waits for a connection that an open transaction holds gets no answer: 0.
+        const send = async (key: string): Promise<Answer | { status: 0, replayed: false, body: string }> => {
+          try {
+            return await answer(await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: JSON.stringify({ sku: 'A1' }), signal: AbortSignal.timeout(5000) }))
+          } catch (error) {
+            return { status: 0, replayed: false, body: String(error) }
+          }
+        }
+        const keys = [newKey(), newKey(), newKey()]
+        // More requests than the pool holds when each keeps its transaction open (SQLite's holds one).
+        const firsts = []
+        for (const key of keys) firsts.push((await send(key)).status)
+        expect(firsts).toStrictEqual([500, 500, 500])
+        expect(ran(path)).toBe(3)
+        const committed = await knex(table).count({ n: '*' })
+        expect(Number(committed[0]!.n)).toBe(3)
+        await new Promise((resolve) => setTimeout(resolve, 600))
+        failing = false
+        const retry = await send(keys[0]!)
+        expect(retry.replayed, retry.body).toBe(true)
+        expect(retry.status).toBe(201)
+        expect(ran(path)).toBe(3)
+      } finally {
+        await knex.schema.dropTableIfExists(table)
+      }
+    })
+  })
+}
+
+describe('a preHandler hook of the app that changes the body: the fingerprint is the body before it, with a body schema or without', () => {
+  for (const schema of [false, true]) {
+    it(`${schema ? 'with' : 'without'} a body schema: an identical retry is replayed, another body refused 409`, async () => {
+      const app = newApp()
+      await withPlugin(app)
+      const path = `/prehandler-body/${schema ? 'schema' : 'none'}`
+      app.post(path, {
+        config: { idempotency: true },
+        ...(schema ? { schema: { body: { type: 'object', properties: { sku: { type: 'string' } } } } } : {}),
+        // The app stamps each request's body with when it was received.
+        preHandler: async (request) => { (request.body as Record<string, unknown>).receivedAt = process.hrtime.bigint().toString() }
+      }, order(path))
+      await expectGuarded(`${await listen(app)}${path}`, path)
+    })
+  }
+})
+
+describe('a body the plugin cannot fingerprint, sent to a route whose preHandler hook refuses the request', () => {
+  for (const schema of [false, true]) {
+    it(`${schema ? 'with' : 'without'} a body schema: the app's refusal answers, not the plugin's`, async () => {
+      const app = newApp()
+      await withPlugin(app)
+      const path = `/unfingerprintable/${schema ? 'schema' : 'none'}`
+      app.post(path, {
+        config: { idempotency: true },
+        ...(schema ? { schema: { body: { type: 'array' } } } : {}),
+        preHandler: async (_request, reply) => await reply.code(401).send({ error: 'sign in' })
+      }, order(path))
+      const deep = `${'['.repeat(1100)}${']'.repeat(1100)}`
+      const refused = await answer(await fetch(`${await listen(app)}${path}`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': newKey() }, body: deep }))
+      expect(refused.status, refused.body).toBe(401)
+      expect(ran(path)).toBe(0)
     })
   }
 })

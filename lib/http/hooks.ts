@@ -5,7 +5,7 @@
  * its outcomes back into HTTP, in the order Fastify calls them:
  *
  *   onRequest      read and validate the key (a 400 is sent from preHandler)         keyed
- *   preValidation  (a route with a body schema) the body as it arrived, before validation
+ *   preValidation  the body as it arrived, before validation and the route's preHandler hooks
  *   preHandler     fingerprint, scope, then `acquire`: replay, refuse, or run   -> replayed, refused,
  *                                                                                  unprotected, running
  *   onError        a refusal's retry headers go on the reply; a failed request is never stored
@@ -29,13 +29,13 @@ import { kState, HttpRequestState, type GuardedRequest, type GuardedRoute } from
 import { takeArrivedBody, takeFingerprint, unparsedBodyHash } from './request-fingerprint.js'
 import { replayResponse } from './replay.js'
 import { hasCredentials, resolveScope } from './scope.js'
-import { handOn, settleFinal, settleHijacked, settleResponse } from './settle-response.js'
+import { handOn, settleFinal, settleHijacked, settleResponse, settleWithoutFinal } from './settle-response.js'
 
 export { kState, type IdempotencyRequestContext } from './request-context.js'
 
 export interface RouteHooks {
   onRequest: onRequestHookHandler
-  /** For a route with a body schema: takes the body before validation changes it. */
+  /** Takes the body before validation or a preHandler hook of the route changes it. */
   preValidation: preValidationHookHandler
   preHandler: preHandlerHookHandler
   onSend: onSendHookHandler
@@ -109,10 +109,10 @@ function onRequestHook (route: GuardedRoute, safeMethods: boolean): onRequestHoo
 const kRefusal = Symbol('fastify-idempotency.refusal')
 
 /**
- * A key refused in onRequest is answered from the plugin's preHandler, the route's last: every hook
- * the app gave the route (authentication in onRequest, preValidation or preHandler, validation of
- * the body) answers first, as for any other answer of the plugin. Only requests refused here get
- * the property.
+ * A key refused in onRequest, or a body preValidation could not fingerprint, is answered from the
+ * plugin's preHandler, the route's last: every hook the app gave the route (authentication in
+ * onRequest, preValidation or preHandler, validation of the body) answers first, as for any other
+ * answer of the plugin. Only requests refused here get the property.
  */
 function refuseLater (request: FastifyRequest, error: Error): void {
   (request as FastifyRequest & { [kRefusal]?: Error })[kRefusal] = error
@@ -141,7 +141,7 @@ async function keyFromFunction (route: GuardedRoute, request: GuardedRequest, pe
   return http
 }
 
-/** preValidation, on a route with a body schema: takes the body as it arrived, before validation changes it. */
+/** preValidation: takes the body as it arrived, before validation or a preHandler hook of the route changes it. */
 function preValidationHook ({ settings, url }: GuardedRoute): preValidationHookHandler {
   return function preValidation (request: FastifyRequest, _reply: FastifyReply, done: (error?: Error) => void): void {
     const http = (request as GuardedRequest)[kState]
@@ -149,8 +149,9 @@ function preValidationHook ({ settings, url }: GuardedRoute): preValidationHookH
       try {
         http.arrivedBody = takeArrivedBody(request, settings.fingerprint, http.key, url)
       } catch (error) {
-        done(error as Error)
-        return
+        // Answered from preHandler, after the route's own preHandler hooks (authentication), as
+        // every refusal of the plugin is.
+        refuseLater(request, error as Error)
       }
     }
     done()
@@ -172,8 +173,9 @@ interface Asked {
 function preHandlerHook (route: GuardedRoute): preHandlerHookHandler {
   return function preHandler (request: FastifyRequest, reply: FastifyReply, done: (error?: Error) => void): void {
     const pending = (request as GuardedRequest)[kState]
-    if (pending === null) {
-      done((request as FastifyRequest & { [kRefusal]?: Error })[kRefusal])
+    const refusal = (request as FastifyRequest & { [kRefusal]?: Error })[kRefusal]
+    if (pending === null || refusal !== undefined) {
+      done(refusal)
       return
     }
     let asked: MaybePromise<Asked | null>
@@ -266,8 +268,16 @@ function run (reply: FastifyReply, http: HttpRequestState): void {
   reply.raw.on('close', () => { onClose(reply, http) })
 }
 
-/** The reply's 'close', while the handler may still be running. */
+/** The reply's 'close', while the handler may still be running, or its answer waits for the route's last onSend hook. */
 function onClose (reply: FastifyReply, http: HttpRequestState): void {
+  if (http.finalEnding !== null) {
+    // The response ended without reaching the route's last onSend hook: one after the plugin's
+    // hijacked the reply (one that failed is settled in onError). The handler answered: its answer
+    // is settled as the plugin's onSend took it, rather than left to a lease that lapses into a
+    // second run.
+    void settleWithoutFinal(reply, http)
+    return
+  }
   if (http.state.phase !== 'running') return
   // Hijacked, ended by hand, or written by hand (@fastify/sse writes its events on reply.raw):
   // onSend will never run for what was written. With its head out, the handler has answered, so
@@ -378,6 +388,20 @@ function onError (request: FastifyRequest, reply: FastifyReply, error: FastifyEr
   if (http !== null) {
     http.failed = true
     if (http.state.transaction !== null && http.route.engine.door.isConflict(error)) transactionConflict(request, reply, http, error)
+    // An onSend hook after the plugin's failed on an answer with trailers whose client left before
+    // it: Fastify writes nothing more to it, and never asks for them; 'close' came already.
+    if (http.trailers !== null && reply.raw.destroyed) http.trailers.abandon()
+    if (http.finalEnding !== null) {
+      // An onSend hook after the plugin's failed: the handler did answer, and the error's answer
+      // may never reach the route's last onSend hook (Fastify answers a second failure without
+      // them, and writes nothing to a client that left), so the answer is settled now (see
+      // onClose), and the error answered once it is, as any answer is once stored.
+      const settled = settleWithoutFinal(reply, http)
+      if (isPromise(settled)) {
+        void settled.then(() => { done() })
+        return
+      }
+    }
   }
   done()
 }

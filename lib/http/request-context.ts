@@ -15,6 +15,7 @@ import type { IdempotencyStoreUnavailableError } from '../errors.js'
 import type { ArrivedBody } from '../fingerprint/fingerprint.js'
 import type { PluginSettings, RouteSettings } from '../options.js'
 import type { StoredResponse } from '../storage/types.js'
+import type { CollectedTrailers } from './trailers.js'
 
 /** Where the per-request context lives (a request decoration, so request objects keep one shape). */
 export const kState = Symbol('fastify-idempotency.state')
@@ -103,6 +104,8 @@ export class HttpRequestState implements ResponseCallbacks {
   failed = false
   /** A response whose settle waits for the route's last onSend hook (`GuardedRoute.laterOnSend`). */
   finalEnding: Ending | null = null
+  /** A response with trailers: their values, which its settle waits for (trailers.ts). */
+  trailers: CollectedTrailers | null = null
   /** Resolves once the response has been handed on to Fastify after settling (onSend). */
   handedOn: Promise<void> | null = null
   /**

@@ -1,9 +1,10 @@
 /**
  * A request's fingerprint as the hooks take it, and its comparison with what a store holds.
  *
- * The body counts as it arrived: on a route with a body schema it is taken in preValidation,
- * before validation coerces it, fills in defaults, strips members or (with a type provider such
- * as fastify-type-provider-zod) transforms it into values JSON cannot hold. Two requests with the
+ * The body counts as it arrived: it is taken in preValidation, before the route's preHandler
+ * hooks can change it and before validation coerces it, fills in defaults, strips members or
+ * (with a type provider such as fastify-type-provider-zod) transforms it into values JSON cannot
+ * hold. Two requests with the
  * same body are the same request whatever the schema makes of them, and a transform that is not
  * deterministic (a default of `new Date()`) cannot turn a retry into a mismatch.
  *
@@ -55,7 +56,7 @@ export function takeFingerprint (request: FastifyRequest, settings: FingerprintS
 
 /**
  * The fingerprint record of a request to the route `url` under `settings`, and the comparison of
- * a stored one with it. `arrived` is what preValidation took (`null` on a route without one: the
+ * a stored one with it. `arrived` is what preValidation took (`null` when it took none: the
  * body is as it arrived); `rawHash` the hash of a body counted by its bytes.
  */
 export function fingerprintRequest (request: FastifyRequest, url: string, settings: FingerprintSettings, arrived: ArrivedBody | null, rawHash: string | undefined): Fingerprinted {

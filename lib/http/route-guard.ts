@@ -126,8 +126,9 @@ function guard (registration: Registration, route: Route, name: string, url: str
   // and a replay is never served to a request they would have refused; placeLast puts them last
   // again once every onRoute hook has run.
   add(route, 'onRequest', hooks.onRequest)
-  // The body is fingerprinted as it arrived: where a schema may change it, before validation.
-  if (route.schema?.body !== undefined) add(route, 'preValidation', hooks.preValidation)
+  // The body is fingerprinted as it arrived: before validation changes it, and before the route's
+  // own preHandler hooks do (with a schema or without, so that the outcome never depends on it).
+  add(route, 'preValidation', hooks.preValidation)
   add(route, 'preHandler', hooks.preHandler)
   add(route, 'onSend', hooks.onSend)
   add(route, 'onError', hooks.onError)
@@ -139,26 +140,32 @@ function guard (registration: Registration, route: Route, name: string, url: str
  * lists): the guard's request hooks are moved to the end of theirs, so that every hook the app
  * attached to the route, in whichever order, runs before the plugin replays, takes a lease or
  * refuses. Fastify runs the hooks of the route's contexts (`addHook`) before those of its options,
- * so those run first anyway. The body schema is final now too: with one, the body is taken before
- * validation whatever set it (the route's options, or an `onRoute` hook after this one).
+ * so those run first anyway. The body is taken in the plugin's preValidation, before validation
+ * and before the route's preHandler hooks, whatever set the route's schema (its options, or an
+ * `onRoute` hook after this one) and whether it has one.
  * `onSend` and `onError` stay where they were added: what they see of the response is documented
  * by the order of registration (docs/headers.md).
  */
 function placeLast (route: Route, hooks: RouteHooks): void {
+  // An onRoute hook after this one may have set the route's onSend or onError by assignment
+  // (`route.onSend = hook`), taking the plugin's away with the rest: without them no answer would
+  // be captured, and a failed request would be stored. They are put back: the onSend before the
+  // assigned hooks, which were added after it.
+  const sends = hookList(route, 'onSend')
+  const restored = sends.includes(hooks.onSend) ? sends : [hooks.onSend, ...sends]
+  const errors = hookList(route, 'onError')
+  if (!errors.includes(hooks.onError)) (route as Record<HookName, unknown>).onError = [...errors, hooks.onError]
   // When onSend hooks of the route run after the plugin's, the last one settles what needs to see
   // the payload Fastify sends (how the head goes out, head-bytes.ts).
-  const sends = hookList(route, 'onSend')
-  const others = sends.filter((hook) => hook !== hooks.finalOnSend)
+  const others = restored.filter((hook) => hook !== hooks.finalOnSend)
   const later = others[others.length - 1] !== hooks.onSend
   hooks.laterOnSend(later)
   if (later || others.length !== sends.length) (route as Record<HookName, unknown>).onSend = later ? [...others, hooks.finalOnSend] : others
   for (const name of ['onRequest', 'preValidation', 'preHandler'] as const) {
     const existing = hookList(route, name)
     const others = existing.filter((hook) => hook !== hooks[name])
-    const wanted = name !== 'preValidation' || route.schema?.body !== undefined
-    const placed = wanted ? existing[existing.length - 1] === hooks[name] && others.length === existing.length - 1 : others.length === existing.length
-    if (placed) continue
-    ;(route as Record<HookName, unknown>)[name] = wanted ? [...others, hooks[name]] : others
+    if (existing[existing.length - 1] === hooks[name] && others.length === existing.length - 1) continue
+    ;(route as Record<HookName, unknown>)[name] = [...others, hooks[name]]
   }
 }
 

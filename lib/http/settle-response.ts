@@ -85,11 +85,26 @@ export function settleFinal (reply: FastifyReply, http: HttpRequestState, payloa
 }
 
 /**
+ * A response whose settle waited for the route's last onSend hook, which it will not reach: an
+ * onSend hook after the plugin's failed (onError), or hijacked the reply ('close'). The handler
+ * did answer, so its answer is settled as the plugin's onSend took it (its head as if written on
+ * its own): kept for a retry, as when the plugin's onSend is the route's last. What the client gets
+ * is no longer that answer, so nothing is withheld.
+ */
+export function settleWithoutFinal (reply: FastifyReply, http: HttpRequestState): MaybePromise<void> {
+  const ending = http.finalEnding!
+  http.finalEnding = null
+  const ended = end(reply, http, ending, 'hijacked')
+  // Settling reports its own failures; one that escapes it must still not go unhandled.
+  return isPromise(ended) ? ended.catch((error: unknown) => { reply.log.error({ err: error }, 'fastify-idempotency: settling a response an onSend hook did not hand on failed') }) : ended
+}
+
+/**
  * A response with trailers is settled once their values are known, and they reach the client once
  * it is (trailers.ts). Its body is on its way by then: a success that must not be delivered is cut.
  */
 function afterTrailers (reply: FastifyReply, http: HttpRequestState, trailers: NonNullable<ReturnType<typeof replyTrailers>>, ending: MaybePromise<Ending>): void {
-  const collected = collectTrailers(reply, trailers)
+  const collected = http.trailers = collectTrailers(reply, trailers)
   // A key given back (a stream that failed, whose trailers Fastify never asks for) is at once.
   const settled = Promise.resolve(ending).then(async (known) => {
     await end(reply, http, known.kind === 'store' ? { ...known, response: withTrailers(known.response, await collected.values) } : known, 'stream')

@@ -48,6 +48,8 @@ export interface CollectedTrailers {
   readonly values: Promise<Record<string, string>>
   /** Hand the values on to Fastify (which then ends the response) only once `settled` has settled. */
   holdUntil: (settled: Promise<unknown>) => void
+  /** Settle with the values known now: the response will not ask for the others (its client left, and an onSend hook failed). */
+  abandon: () => void
 }
 
 /** Wrap the reply's trailer functions so that their values are taken, and held until the response is settled. */
@@ -111,7 +113,7 @@ export function collectTrailers (reply: FastifyReply, trailers: Trailers): Colle
   }
   // Fastify asks for no trailer of a response that closed first (its client left mid-stream).
   reply.raw.once('close', () => { resolveValues(values) })
-  return { values: collected, holdUntil: (settled) => { gate = settled } }
+  return { values: collected, holdUntil: (settled) => { gate = settled }, abandon: () => { resolveValues(values) } }
 }
 
 /** `response` with `values` among its headers (see above). */
