@@ -65,6 +65,36 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     expect(run.code).toBe(0)
   })
 
+  it('proves every master: an ACL that refuses EVALSHA on one node alone fails the proof, naming that node, wherever the probe would land', async () => {
+    const user = `proof${process.pid}`
+    const [, , odd] = cluster!.nodes
+    const acl = async (node: { host: string, port: number }, rules: string[]): Promise<void> => {
+      const admin = new Redis({ host: node.host, port: node.port, lazyConnect: true })
+      try { await admin.call('ACL', 'SETUSER', user, ...rules) } finally { admin.disconnect() }
+    }
+    for (const node of cluster!.nodes) await acl(node, ['on', '>pw', '~*', '&*', '+@all', ...(node === odd ? ['-evalsha'] : [])])
+    try {
+      // The probe's slot is random: four proofs, each of which must see the odd node.
+      for (let round = 0; round < 4; round++) {
+        const user$ = newCluster({ redisOptions: { maxRetriesPerRequest: 1, username: user, password: 'pw' } })
+        const checks = await new RedisStorage({ client: user$, prefix: PREFIX + 'acl:' }).prove({ wait: false })
+        const refused = checks.filter((check) => check.outcome === 'failed')
+        expect(refused.map((check) => check.name)).toEqual(['renew script', 'complete and release script'])
+        expect(refused[0]!.found).toMatch(new RegExp(`^on ${odd!.host}:${odd!.port}: EVALSHA of the renew script was refused: NOPERM`))
+        await user$.quit()
+      }
+      const checks = await new RedisStorage({ client, prefix: PREFIX + 'acl:' }).prove({ wait: true })
+      expect(checks.filter((check) => check.outcome === 'failed')).toEqual([])
+      expect(checks.find((check) => check.name === 'PUBLISH and SUBSCRIBE')!.outcome).toBe('passed')
+      expect(checks.find((check) => check.name === 'renew script')!.found).toBe('ran as EVAL, then as EVALSHA (on each of the 3 masters)')
+    } finally {
+      for (const node of cluster!.nodes) {
+        const admin = new Redis({ host: node.host, port: node.port, lazyConnect: true })
+        try { await admin.call('ACL', 'DELUSER', user) } finally { admin.disconnect() }
+      }
+    }
+  })
+
   it('refuses a Cluster client whose keyPrefix holds a brace, which would put every key in one slot', () => {
     for (const keyPrefix of ['{app}:', 'app{', '}']) {
       const braced = newCluster({ keyPrefix, lazyConnect: true })

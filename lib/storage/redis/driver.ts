@@ -47,6 +47,8 @@ export interface RedisDriver {
    * alone); integer replies as numbers.
    */
   script: (script: Script, key: string, args: CommandArg[], form?: ScriptForm) => Promise<unknown>
+  /** A cluster's `CLUSTER SLOTS`, from one node (a client that is no cluster is never asked). */
+  clusterSlots: () => Promise<unknown>
   /** A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply. */
   eachMaster: (args: string[]) => Promise<unknown[]>
   /**

@@ -54,7 +54,7 @@ async function confirmed (connection: SubscriberClient, channel: string): Promis
 const BYTES = 0
 const RESP3 = 0
 
-type Route = 'allPrimaries' | { type: 'primarySlotKey', key: string } | { type: 'routeByAddress', host: string }
+type Route = 'allPrimaries' | 'randomNode' | { type: 'primarySlotKey', key: string } | { type: 'routeByAddress', host: string }
 
 /** What the storage uses of a GLIDE client. */
 export interface GlideLikeClient {
@@ -97,6 +97,10 @@ export class GlideDriver implements RedisDriver {
 
   script (script: Script, key: string, args: CommandArg[], form?: ScriptForm): Promise<unknown> {
     return evalScript(this.#loaded, script, (name, body) => this.#send(key, [name, body, '1', key, ...args]), this.replyCode, form)
+  }
+
+  clusterSlots (): Promise<unknown> {
+    return this.#client.customCommand(['CLUSTER', 'SLOTS'], { route: 'randomNode' })
   }
 
   async eachMaster (args: string[]): Promise<unknown[]> {

@@ -102,6 +102,10 @@ export class IoredisDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode, form)
   }
 
+  clusterSlots (): Promise<unknown> {
+    return (this.#client as Cluster).call('CLUSTER', 'SLOTS')
+  }
+
   async eachMaster (args: string[]): Promise<unknown[]> {
     const client = this.#client
     const servers = typeof (client as Cluster).nodes === 'function' ? (client as Cluster).nodes('master') : [client as Redis]

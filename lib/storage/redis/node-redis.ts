@@ -106,6 +106,10 @@ export class NodeRedisDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(redisKey, [name, body, '1', redisKey, ...args]), this.replyCode, form)
   }
 
+  clusterSlots (): Promise<unknown> {
+    return this.#cluster!.sendCommand(undefined, true, ['CLUSTER', 'SLOTS'])
+  }
+
   async eachMaster (args: string[]): Promise<unknown[]> {
     return await Promise.all((await this.#servers()).map((server) => server.sendCommand(args, { timeout: 0 })))
   }
