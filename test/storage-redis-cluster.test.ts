@@ -95,6 +95,23 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     }
   })
 
+  it('names the master that may evict keys, when the others do not', async () => {
+    const odd = cluster!.nodes[1]!
+    const admin = new Redis({ host: odd.host, port: odd.port, lazyConnect: true })
+    try {
+      await admin.config('SET', 'maxmemory', '100mb')
+      await admin.config('SET', 'maxmemory-policy', 'allkeys-lru')
+      const checks = await new RedisStorage({ client, prefix: PREFIX + 'evict:' }).prove({ wait: false })
+      const eviction = checks.find((check) => check.name === 'eviction policy')!
+      expect(eviction.outcome).toBe('failed')
+      expect(eviction.found).toContain(`maxmemory-policy allkeys-lru with maxmemory 104857600 bytes on 1 of 3 masters (${odd.host}:${odd.port}): `)
+    } finally {
+      await admin.config('SET', 'maxmemory', '0')
+      await admin.config('SET', 'maxmemory-policy', 'noeviction')
+      admin.disconnect()
+    }
+  })
+
   it('refuses a Cluster client whose keyPrefix holds a brace, which would put every key in one slot', () => {
     for (const keyPrefix of ['{app}:', 'app{', '}']) {
       const braced = newCluster({ keyPrefix, lazyConnect: true })

@@ -12,6 +12,12 @@ import { keyPrefixText } from './keys.js'
 import { isNodeRedis, NodeRedisDriver, nodeRedisKeyPrefix } from './node-redis.js'
 import type { Script, ScriptForm } from './scripts.js'
 
+/** One master's reply to a command sent to every master; `node` is its `host:port` ('' for a Redis). */
+export interface NodeReply {
+  node: string
+  reply: unknown
+}
+
 /** A command's argument, as every client takes it. */
 export type CommandArg = string | Buffer
 
@@ -49,8 +55,11 @@ export interface RedisDriver {
   script: (script: Script, key: string, args: CommandArg[], form?: ScriptForm) => Promise<unknown>
   /** A cluster's `CLUSTER SLOTS`, from one node (a client that is no cluster is never asked). */
   clusterSlots: () => Promise<unknown>
-  /** A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply. */
-  eachMaster: (args: string[]) => Promise<unknown[]>
+  /**
+   * A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply, with the
+   * master's `host:port` on a cluster ('' for a Redis).
+   */
+  eachMaster: (args: string[]) => Promise<NodeReply[]>
   /**
    * Resolves once the client is connected and ready for commands (a client still connecting, or
    * one made with `lazyConnect`, is waited for: with ioredis's `enableOfflineQueue: false` a
@@ -144,7 +153,7 @@ export async function untilReady (client: Emitter, settled: readonly string[], s
   }
 }
 
-/** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's value. */
-export function nodeReplies (reply: unknown): unknown[] {
-  return (reply as Array<{ value: unknown }>).map((item) => item.value)
+/** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's reply. */
+export function nodeReplies (reply: unknown): NodeReply[] {
+  return (reply as Array<{ key: unknown, value: unknown }>).map((item) => ({ node: String(item.key), reply: item.value }))
 }

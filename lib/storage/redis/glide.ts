@@ -9,7 +9,7 @@
  * configuration (its addresses, credentials, TLS), with pub/sub on RESP3, and it is closed as soon
  * as nobody waits, so that it never holds a process open that its owner has closed.
  */
-import { nodeReplies, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { nodeReplies, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /**
@@ -103,8 +103,8 @@ export class GlideDriver implements RedisDriver {
     return this.#client.customCommand(['CLUSTER', 'SLOTS'], { route: 'randomNode' })
   }
 
-  async eachMaster (args: string[]): Promise<unknown[]> {
-    if (!this.cluster) return [await this.#client.customCommand(args)]
+  async eachMaster (args: string[]): Promise<NodeReply[]> {
+    if (!this.cluster) return [{ node: '', reply: await this.#client.customCommand(args) }]
     return nodeReplies(await this.#client.customCommand(args, { route: 'allPrimaries' }))
   }
 

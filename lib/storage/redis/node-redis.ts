@@ -15,7 +15,7 @@
  * A cluster routes each command by its key (`sendCommand(key, …)`); its SCAN runs on each
  * master's own client.
  */
-import { untilReady, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { untilReady, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /** node-redis's RESP type of a bulk string (`RESP_TYPES.BLOB_STRING`), mapped to Buffer. */
@@ -110,8 +110,13 @@ export class NodeRedisDriver implements RedisDriver {
     return this.#cluster!.sendCommand(undefined, true, ['CLUSTER', 'SLOTS'])
   }
 
-  async eachMaster (args: string[]): Promise<unknown[]> {
-    return await Promise.all((await this.#servers()).map((server) => server.sendCommand(args, { timeout: 0 })))
+  async eachMaster (args: string[]): Promise<NodeReply[]> {
+    if (this.#client !== null) return [{ node: '', reply: await this.#client.sendCommand(args, { timeout: 0 }) }]
+    const cluster = this.#cluster!
+    return await Promise.all(cluster.masters.map(async (master) => ({
+      node: (master as { address: string }).address,
+      reply: await (await cluster.nodeClient(master as never)).sendCommand(args, { timeout: 0 })
+    })))
   }
 
   /**
