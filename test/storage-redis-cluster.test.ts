@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest'
 import { Cluster, Redis } from 'ioredis'
+import { createCluster } from 'redis'
 import type { ClusterOptions } from 'ioredis'
 import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
@@ -20,6 +21,42 @@ const response: StoredResponse = {
   headers: {},
   body: Buffer.from('ok')
 }
+
+describe.skipIf(!availability.available)('RedisStorage on a Redis Cluster with a master down' + availability.reason, () => {
+  it('fails the start naming the master that is down, whose keys would all answer 503, wherever the probe would land', async () => {
+    // Without full coverage the others keep serving their slots: cluster_state stays ok.
+    const partial = await startRedisCluster({ settings: ['--cluster-require-full-coverage', 'no', '--cluster-node-timeout', '1000'] })
+    const clients: Array<{ quit: () => Promise<unknown> }> = []
+    try {
+      const [, , down] = partial.nodes
+      const admin = new Redis({ host: down!.host, port: down!.port, lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null })
+      await admin.call('SHUTDOWN', 'NOSAVE').catch(() => {})
+      admin.disconnect()
+      const seen = new Redis({ host: partial.nodes[0]!.host, port: partial.nodes[0]!.port })
+      clients.push(seen)
+      for (const deadline = Date.now() + 10_000; !String(await seen.call('CLUSTER', 'NODES')).includes('fail ') && Date.now() < deadline;) await new Promise((resolve) => setTimeout(resolve, 100))
+      type Client = ConstructorParameters<typeof RedisStorage>[0]['client']
+      const clientsOf: Array<() => Promise<Client>> = [
+        async () => new Cluster(partial.nodes, { redisOptions: { maxRetriesPerRequest: 1, commandTimeout: 500 } }),
+        async () => await createCluster({ rootNodes: partial.nodes.map(({ host, port }) => ({ url: `redis://${host}:${port}` })), defaults: { socket: { connectTimeout: 500, reconnectStrategy: false } } }).on('error', () => {}).connect() as unknown as Client
+      ]
+      for (const make of clientsOf) {
+        // The probe's slot is random: three proofs per client, each of which must see the master that is down.
+        for (let round = 0; round < 3; round++) {
+          const made = await make()
+          clients.push({ quit: async () => { if (made instanceof Cluster) made.disconnect(); else await (made as unknown as { close: () => Promise<void> }).close() } })
+          const checks = await new RedisStorage({ client: made, prefix: PREFIX + 'down:' }).prove({ wait: false, signal: AbortSignal.timeout(3000) })
+          const refused = checks.filter((check) => check.outcome === 'failed')
+          expect(refused.map((check) => check.name)).toEqual(['connection'])
+          expect(refused[0]!.found).toMatch(new RegExp(`^on ${down!.host}:${down!.port}: Redis cannot be reached through the (ioredis Cluster|node-redis cluster) client: `))
+        }
+      }
+    } finally {
+      await Promise.all(clients.map(async (c) => { await c.quit().catch(() => {}) }))
+      await partial.stop()
+    }
+  }, scaled(60_000))
+})
 
 describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Cluster' + availability.reason, () => {
   let cluster: RedisClusterHandle | undefined

@@ -53,8 +53,11 @@ export interface RedisDriver {
    * alone); integer replies as numbers.
    */
   script: (script: Script, key: string, args: CommandArg[], form?: ScriptForm) => Promise<unknown>
-  /** A cluster's `CLUSTER SLOTS`, from one node (a client that is no cluster is never asked). */
-  clusterSlots: () => Promise<unknown>
+  /**
+   * A cluster's masters (`host:port`), each with the slots the client routes to it (a client that
+   * is no cluster is never asked). Rejects when the client knows none.
+   */
+  clusterMasters: () => Promise<Map<string, Set<number>>>
   /**
    * A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply, with the
    * master's `host:port` on a cluster ('' for a Redis).
@@ -151,6 +154,19 @@ export async function untilReady (client: Emitter, settled: readonly string[], s
       else remove?.call(client, event, listener)
     }
   }
+}
+
+/** The masters of a slot table (the master's `host:port` of each slot, `undefined` for a slot of none), each with its slots. */
+export function mastersOfSlots (owners: ArrayLike<string | undefined>): Map<string, Set<number>> {
+  const masters = new Map<string, Set<number>>()
+  for (let slot = 0; slot < owners.length; slot++) {
+    const node = owners[slot]
+    if (node === undefined) continue
+    if (!masters.has(node)) masters.set(node, new Set())
+    masters.get(node)!.add(slot)
+  }
+  if (masters.size === 0) throw new Error('the client knows no slot of the cluster yet')
+  return masters
 }
 
 /** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's reply. */

@@ -9,7 +9,7 @@
  * configuration (its addresses, credentials, TLS), with pub/sub on RESP3, and it is closed as soon
  * as nobody waits, so that it never holds a process open that its owner has closed.
  */
-import { nodeReplies, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { mastersOfSlots, nodeReplies, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /**
@@ -99,8 +99,13 @@ export class GlideDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(key, [name, body, '1', key, ...args]), this.replyCode, form)
   }
 
-  clusterSlots (): Promise<unknown> {
-    return this.#client.customCommand(['CLUSTER', 'SLOTS'], { route: 'randomNode' })
+  /** GLIDE keeps its slot table to itself: the cluster's own, from a node. */
+  async clusterMasters (): Promise<Map<string, Set<number>>> {
+    const owners: Array<string | undefined> = new Array(16384)
+    for (const [start, end, master] of await this.#client.customCommand(['CLUSTER', 'SLOTS'], { route: 'randomNode' }) as Array<[unknown, unknown, unknown[]]>) {
+      owners.fill(`${String(master[0])}:${String(master[1])}`, Number(start), Number(end) + 1)
+    }
+    return mastersOfSlots(owners)
   }
 
   async eachMaster (args: string[]): Promise<NodeReply[]> {

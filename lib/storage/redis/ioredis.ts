@@ -25,7 +25,7 @@
  * (when enabled) batches them. Either way the client puts its `keyPrefix` in front of each key.
  */
 import type { Cluster, Redis } from 'ioredis'
-import { untilReady, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { mastersOfSlots, untilReady, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 type IoredisClient = Redis | Cluster
@@ -102,8 +102,8 @@ export class IoredisDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode, form)
   }
 
-  clusterSlots (): Promise<unknown> {
-    return (this.#client as Cluster).call('CLUSTER', 'SLOTS')
+  async clusterMasters (): Promise<Map<string, Set<number>>> {
+    return mastersOfSlots(Array.from((this.#client as Cluster).slots, (nodes) => nodes?.[0]))
   }
 
   async eachMaster (args: string[]): Promise<NodeReply[]> {

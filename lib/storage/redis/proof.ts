@@ -91,39 +91,29 @@ export function slotOf (tag: string): number {
   return crc % 16384
 }
 
-/** Each master of a `CLUSTER SLOTS` reply (`host:port`) with the slots it serves. */
-export function mastersOf (reply: unknown): Map<string, Array<[number, number]>> {
-  const masters = new Map<string, Array<[number, number]>>()
-  for (const [start, end, master] of reply as Array<[unknown, unknown, unknown[]]>) {
-    const node = `${String(master[0])}:${String(master[1])}`
-    masters.set(node, [...(masters.get(node) ?? []), [Number(start), Number(end)]])
-  }
-  return masters
-}
-
 /**
  * On a cluster, a proof per master, each on a probe key of a slot that master serves: an ACL, a
  * key pattern or a script cache is each node's own, and a request's key may land on any of them.
- * Where `CLUSTER SLOTS` is refused, the one node of `opening`'s probe, said in a warning.
+ * Where the masters cannot be read, the one node of `opening`'s probe, said in a warning.
  */
 async function masterProofs (context: RedisProofContext, options: StoreProofOptions, opening: Proof): Promise<{ proofs: Proof[], checks: StoreCheck[] }> {
-  let masters: Map<string, Array<[number, number]>>
+  let masters: Map<string, Set<number>>
   try {
-    masters = mastersOf(await beforeAbort(context.driver.clusterSlots(), options.signal, 'CLUSTER SLOTS'))
+    masters = await beforeAbort(context.driver.clusterMasters(), options.signal, 'CLUSTER SLOTS')
   } catch (error) {
     return {
       proofs: [opening],
-      checks: [warning('cluster slots', `CLUSTER SLOTS failed (${messageOf(error)}), so only the master of one slot was proven: an ACL or a setting that differs on another master is not seen`,
+      checks: [warning('cluster slots', `the cluster's masters could not be read (${messageOf(error)}), so only the master of one slot was proven: an ACL or a setting that differs on another master is not seen`,
         'allow CLUSTER SLOTS to the client\'s Redis user (+cluster|slots): the cluster client needs it too')]
     }
   }
   const proofs: Proof[] = []
-  for (const [node, ranges] of masters) {
+  for (const [node, slots] of masters) {
     // About as many tries as there are masters (each serves its share of the slots); bounded.
     for (let attempt = 0; attempt < 100_000; attempt++) {
       const token = context.tokens.next()
       const slot = slotOf(`%probe:${token}`)
-      if (ranges.some(([start, end]) => slot >= start && slot <= end)) {
+      if (slots.has(slot)) {
         proofs.push(new Proof(context, options, token, node))
         break
       }
