@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest'
 import { Cluster, Redis } from 'ioredis'
+import { createCluster } from 'redis'
 import type { ClusterOptions } from 'ioredis'
 import { storageConformance, HOSTILE_KEYS } from '../lib/storage/conformance.js'
 import { RedisStorage } from '../lib/redis.js'
@@ -20,6 +21,42 @@ const response: StoredResponse = {
   headers: {},
   body: Buffer.from('ok')
 }
+
+describe.skipIf(!availability.available)('RedisStorage on a Redis Cluster with a master down' + availability.reason, () => {
+  it('fails the start naming the master that is down, whose keys would all answer 503, wherever the probe would land', async () => {
+    // Without full coverage the others keep serving their slots: cluster_state stays ok.
+    const partial = await startRedisCluster({ settings: ['--cluster-require-full-coverage', 'no', '--cluster-node-timeout', '1000'] })
+    const clients: Array<{ quit: () => Promise<unknown> }> = []
+    try {
+      const [, , down] = partial.nodes
+      const admin = new Redis({ host: down!.host, port: down!.port, lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null })
+      await admin.call('SHUTDOWN', 'NOSAVE').catch(() => {})
+      admin.disconnect()
+      const seen = new Redis({ host: partial.nodes[0]!.host, port: partial.nodes[0]!.port })
+      clients.push(seen)
+      for (const deadline = Date.now() + 10_000; !String(await seen.call('CLUSTER', 'NODES')).includes('fail ') && Date.now() < deadline;) await new Promise((resolve) => setTimeout(resolve, 100))
+      type Client = ConstructorParameters<typeof RedisStorage>[0]['client']
+      const clientsOf: Array<() => Promise<Client>> = [
+        async () => new Cluster(partial.nodes, { redisOptions: { maxRetriesPerRequest: 1, commandTimeout: 500 } }),
+        async () => await createCluster({ rootNodes: partial.nodes.map(({ host, port }) => ({ url: `redis://${host}:${port}` })), defaults: { socket: { connectTimeout: 500, reconnectStrategy: false } } }).on('error', () => {}).connect() as unknown as Client
+      ]
+      for (const make of clientsOf) {
+        // The probe's slot is random: three proofs per client, each of which must see the master that is down.
+        for (let round = 0; round < 3; round++) {
+          const made = await make()
+          clients.push({ quit: async () => { if (made instanceof Cluster) made.disconnect(); else await (made as unknown as { close: () => Promise<void> }).close() } })
+          const checks = await new RedisStorage({ client: made, prefix: PREFIX + 'down:' }).prove({ wait: false, signal: AbortSignal.timeout(3000) })
+          const refused = checks.filter((check) => check.outcome === 'failed')
+          expect(refused.map((check) => check.name)).toEqual(['connection'])
+          expect(refused[0]!.found).toMatch(new RegExp(`^on ${down!.host}:${down!.port}: Redis cannot be reached through the (ioredis Cluster|node-redis cluster) client: `))
+        }
+      }
+    } finally {
+      await Promise.all(clients.map(async (c) => { await c.quit().catch(() => {}) }))
+      await partial.stop()
+    }
+  }, scaled(60_000))
+})
 
 describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Cluster' + availability.reason, () => {
   let cluster: RedisClusterHandle | undefined
@@ -63,6 +100,53 @@ describe.skipIf(!availability.available)('RedisStorage on a three-node Redis Clu
     expect(run.stdout, run.stderr).toContain('REPLAYED true')
     expect(run.exitedByItself, `${run.stdout}${run.stderr}`).toBe(true)
     expect(run.code).toBe(0)
+  })
+
+  it('proves every master: an ACL that refuses EVALSHA on one node alone fails the proof, naming that node, wherever the probe would land', async () => {
+    const user = `proof${process.pid}`
+    const [, , odd] = cluster!.nodes
+    const acl = async (node: { host: string, port: number }, rules: string[]): Promise<void> => {
+      const admin = new Redis({ host: node.host, port: node.port, lazyConnect: true })
+      try { await admin.call('ACL', 'SETUSER', user, ...rules) } finally { admin.disconnect() }
+    }
+    for (const node of cluster!.nodes) await acl(node, ['on', '>pw', '~*', '&*', '+@all', ...(node === odd ? ['-evalsha'] : [])])
+    try {
+      // The probe's slot is random: four proofs, each of which must see the odd node.
+      for (let round = 0; round < 4; round++) {
+        const user$ = newCluster({ redisOptions: { maxRetriesPerRequest: 1, username: user, password: 'pw' } })
+        const checks = await new RedisStorage({ client: user$, prefix: PREFIX + 'acl:' }).prove({ wait: false })
+        const refused = checks.filter((check) => check.outcome === 'failed')
+        expect(refused.map((check) => check.name)).toEqual(['renew script', 'complete and release script'])
+        expect(refused[0]!.found).toMatch(new RegExp(`^on ${odd!.host}:${odd!.port}: EVALSHA of the renew script was refused: NOPERM`))
+        await user$.quit()
+      }
+      const checks = await new RedisStorage({ client, prefix: PREFIX + 'acl:' }).prove({ wait: true })
+      expect(checks.filter((check) => check.outcome === 'failed')).toEqual([])
+      expect(checks.find((check) => check.name === 'PUBLISH and SUBSCRIBE')!.outcome).toBe('passed')
+      expect(checks.find((check) => check.name === 'renew script')!.found).toBe('ran as EVAL, then as EVALSHA (on each of the 3 masters)')
+    } finally {
+      for (const node of cluster!.nodes) {
+        const admin = new Redis({ host: node.host, port: node.port, lazyConnect: true })
+        try { await admin.call('ACL', 'DELUSER', user) } finally { admin.disconnect() }
+      }
+    }
+  })
+
+  it('names the master that may evict keys, when the others do not', async () => {
+    const odd = cluster!.nodes[1]!
+    const admin = new Redis({ host: odd.host, port: odd.port, lazyConnect: true })
+    try {
+      await admin.config('SET', 'maxmemory', '100mb')
+      await admin.config('SET', 'maxmemory-policy', 'allkeys-lru')
+      const checks = await new RedisStorage({ client, prefix: PREFIX + 'evict:' }).prove({ wait: false })
+      const eviction = checks.find((check) => check.name === 'eviction policy')!
+      expect(eviction.outcome).toBe('failed')
+      expect(eviction.found).toContain(`maxmemory-policy allkeys-lru with maxmemory 104857600 bytes on 1 of 3 masters (${odd.host}:${odd.port}): `)
+    } finally {
+      await admin.config('SET', 'maxmemory', '0')
+      await admin.config('SET', 'maxmemory-policy', 'noeviction')
+      admin.disconnect()
+    }
   })
 
   it('refuses a Cluster client whose keyPrefix holds a brace, which would put every key in one slot', () => {

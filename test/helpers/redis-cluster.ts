@@ -40,6 +40,8 @@ export interface StartRedisClusterOptions {
   masters?: number
   /** Give up after this many milliseconds. Default 30 000. */
   timeout?: number
+  /** More settings for every node's command line (`['--cluster-require-full-coverage', 'no']`). */
+  settings?: string[]
 }
 
 const HOST = '127.0.0.1'
@@ -237,7 +239,7 @@ export async function startRedisCluster (options: StartRedisClusterOptions = {})
       if (Date.now() > deadline) throw new Error('redis-cluster: could not start the nodes in time')
       const port = await freePort(taken)
       taken.add(port)
-      const node = await startNode(port, dir, deadline)
+      const node = await startNode(port, dir, deadline, [...clusterSettings(port, dir), ...(options.settings ?? [])])
       if (node === null) continue
       live.add(node.process)
       nodes.push(node)

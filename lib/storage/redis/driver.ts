@@ -12,6 +12,12 @@ import { keyPrefixText } from './keys.js'
 import { isNodeRedis, NodeRedisDriver, nodeRedisKeyPrefix } from './node-redis.js'
 import type { Script, ScriptForm } from './scripts.js'
 
+/** One master's reply to a command sent to every master; `node` is its `host:port` ('' for a Redis). */
+export interface NodeReply {
+  node: string
+  reply: unknown
+}
+
 /** A command's argument, as every client takes it. */
 export type CommandArg = string | Buffer
 
@@ -47,8 +53,16 @@ export interface RedisDriver {
    * alone); integer replies as numbers.
    */
   script: (script: Script, key: string, args: CommandArg[], form?: ScriptForm) => Promise<unknown>
-  /** A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply. */
-  eachMaster: (args: string[]) => Promise<unknown[]>
+  /**
+   * A cluster's masters (`host:port`), each with the slots the client routes to it (a client that
+   * is no cluster is never asked). Rejects when the client knows none.
+   */
+  clusterMasters: () => Promise<Map<string, Set<number>>>
+  /**
+   * A command of no key (`INFO`, `CONFIG GET`) on every master: each master's reply, with the
+   * master's `host:port` on a cluster ('' for a Redis).
+   */
+  eachMaster: (args: string[]) => Promise<NodeReply[]>
   /**
    * Resolves once the client is connected and ready for commands (a client still connecting, or
    * one made with `lazyConnect`, is waited for: with ioredis's `enableOfflineQueue: false` a
@@ -142,7 +156,20 @@ export async function untilReady (client: Emitter, settled: readonly string[], s
   }
 }
 
-/** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's value. */
-export function nodeReplies (reply: unknown): unknown[] {
-  return (reply as Array<{ value: unknown }>).map((item) => item.value)
+/** The masters of a slot table (the master's `host:port` of each slot, `undefined` for a slot of none), each with its slots. */
+export function mastersOfSlots (owners: ArrayLike<string | undefined>): Map<string, Set<number>> {
+  const masters = new Map<string, Set<number>>()
+  for (let slot = 0; slot < owners.length; slot++) {
+    const node = owners[slot]
+    if (node === undefined) continue
+    if (!masters.has(node)) masters.set(node, new Set())
+    masters.get(node)!.add(slot)
+  }
+  if (masters.size === 0) throw new Error('the client knows no slot of the cluster yet')
+  return masters
+}
+
+/** A reply of GLIDE's to a command routed to every primary (`{ key: address, value }` pairs) as each node's reply. */
+export function nodeReplies (reply: unknown): NodeReply[] {
+  return (reply as Array<{ key: unknown, value: unknown }>).map((item) => ({ node: String(item.key), reply: item.value }))
 }

@@ -9,7 +9,7 @@
  * configuration (its addresses, credentials, TLS), with pub/sub on RESP3, and it is closed as soon
  * as nobody waits, so that it never holds a process open that its owner has closed.
  */
-import { nodeReplies, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { mastersOfSlots, nodeReplies, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /**
@@ -54,7 +54,7 @@ async function confirmed (connection: SubscriberClient, channel: string): Promis
 const BYTES = 0
 const RESP3 = 0
 
-type Route = 'allPrimaries' | { type: 'primarySlotKey', key: string } | { type: 'routeByAddress', host: string }
+type Route = 'allPrimaries' | 'randomNode' | { type: 'primarySlotKey', key: string } | { type: 'routeByAddress', host: string }
 
 /** What the storage uses of a GLIDE client. */
 export interface GlideLikeClient {
@@ -99,8 +99,17 @@ export class GlideDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(key, [name, body, '1', key, ...args]), this.replyCode, form)
   }
 
-  async eachMaster (args: string[]): Promise<unknown[]> {
-    if (!this.cluster) return [await this.#client.customCommand(args)]
+  /** GLIDE keeps its slot table to itself: the cluster's own, from a node. */
+  async clusterMasters (): Promise<Map<string, Set<number>>> {
+    const owners: Array<string | undefined> = new Array(16384)
+    for (const [start, end, master] of await this.#client.customCommand(['CLUSTER', 'SLOTS'], { route: 'randomNode' }) as Array<[unknown, unknown, unknown[]]>) {
+      owners.fill(`${String(master[0])}:${String(master[1])}`, Number(start), Number(end) + 1)
+    }
+    return mastersOfSlots(owners)
+  }
+
+  async eachMaster (args: string[]): Promise<NodeReply[]> {
+    if (!this.cluster) return [{ node: '', reply: await this.#client.customCommand(args) }]
     return nodeReplies(await this.#client.customCommand(args, { route: 'allPrimaries' }))
   }
 

@@ -25,7 +25,7 @@
  * (when enabled) batches them. Either way the client puts its `keyPrefix` in front of each key.
  */
 import type { Cluster, Redis } from 'ioredis'
-import { untilReady, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { mastersOfSlots, untilReady, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 type IoredisClient = Redis | Cluster
@@ -102,10 +102,17 @@ export class IoredisDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(name, [body, '1', key, ...args]), this.replyCode, form)
   }
 
-  async eachMaster (args: string[]): Promise<unknown[]> {
+  async clusterMasters (): Promise<Map<string, Set<number>>> {
+    return mastersOfSlots(Array.from((this.#client as Cluster).slots, (nodes) => nodes?.[0]))
+  }
+
+  async eachMaster (args: string[]): Promise<NodeReply[]> {
     const client = this.#client
     const servers = typeof (client as Cluster).nodes === 'function' ? (client as Cluster).nodes('master') : [client as Redis]
-    return await Promise.all(servers.map((server) => server.call(args[0]!, ...args.slice(1))))
+    return await Promise.all(servers.map(async (server) => ({
+      node: this.cluster ? `${server.options.host ?? ''}:${server.options.port ?? ''}` : '',
+      reply: await server.call(args[0]!, ...args.slice(1))
+    })))
   }
 
   async whenReady (signal?: AbortSignal): Promise<void> {

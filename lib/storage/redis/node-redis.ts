@@ -15,7 +15,7 @@
  * A cluster routes each command by its key (`sendCommand(key, …)`); its SCAN runs on each
  * master's own client.
  */
-import { untilReady, type CommandArg, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
+import { mastersOfSlots, untilReady, type CommandArg, type NodeReply, type RedisDriver, type Subscription, type SubscriptionEvents } from './driver.js'
 import { evalScript, type Script, type ScriptForm } from './scripts.js'
 
 /** node-redis's RESP type of a bulk string (`RESP_TYPES.BLOB_STRING`), mapped to Buffer. */
@@ -106,8 +106,17 @@ export class NodeRedisDriver implements RedisDriver {
     return evalScript(this.#loaded, script, (name, body) => this.#send(redisKey, [name, body, '1', redisKey, ...args]), this.replyCode, form)
   }
 
-  async eachMaster (args: string[]): Promise<unknown[]> {
-    return await Promise.all((await this.#servers()).map((server) => server.sendCommand(args, { timeout: 0 })))
+  async clusterMasters (): Promise<Map<string, Set<number>>> {
+    return mastersOfSlots(Array.from((this.#cluster as unknown as { slots: Array<{ master?: { address: string } } | undefined> }).slots, (shard) => shard?.master?.address))
+  }
+
+  async eachMaster (args: string[]): Promise<NodeReply[]> {
+    if (this.#client !== null) return [{ node: '', reply: await this.#client.sendCommand(args, { timeout: 0 }) }]
+    const cluster = this.#cluster!
+    return await Promise.all(cluster.masters.map(async (master) => ({
+      node: (master as { address: string }).address,
+      reply: await (await cluster.nodeClient(master as never)).sendCommand(args, { timeout: 0 })
+    })))
   }
 
   /**

@@ -53,23 +53,95 @@ const SCRIPTS = new Map<Script, { name: string, runs: string }>([
 ])
 
 export async function proveRedis (context: RedisProofContext, options: StoreProofOptions): Promise<RedisProof> {
-  const proof = new Proof(context, options)
-  const checks = proof.checks
+  const opening = new Proof(context, options, context.tokens.next(), null)
   try {
-    await proof.connected()
-    await proof.commands()
+    await opening.connected()
   } catch (error) {
     if (!(error instanceof Unreachable)) throw error
-    return { checks, signals: undefined }
-  } finally {
-    await proof.cleanUp()
+    return { checks: opening.checks, signals: undefined }
   }
+  const { proofs, checks } = context.driver.cluster ? await masterProofs(context, options, opening) : { proofs: [opening], checks: [] }
+  for (const [index, proof] of proofs.entries()) {
+    try {
+      await proof.commands()
+    } catch (error) {
+      if (!(error instanceof Unreachable)) throw error
+      return { checks: [...checks, ...merged(proofs.slice(0, index + 1))], signals: undefined }
+    } finally {
+      await proof.cleanUp()
+    }
+  }
+  checks.push(...merged(proofs))
   const replica = await replicaCheck(context.driver, options.signal)
   if (replica !== null) checks.push(replica)
   checks.push(await evictionCheck(context.driver, context.allowEviction, options.signal))
   const persistence = await persistenceCheck(context.driver, options.signal)
   if (persistence !== null) checks.push(persistence)
-  return { checks, signals: proof.signals }
+  const signals = proofs.some((proof) => proof.signals === false) ? false : proofs[0]!.signals
+  return { checks, signals }
+}
+
+/** Redis Cluster's hash slot of a key whose hash tag is `tag`: CRC16 (XMODEM) modulo 16384. */
+export function slotOf (tag: string): number {
+  let crc = 0
+  for (const byte of Buffer.from(tag)) {
+    crc ^= byte << 8
+    for (let bit = 0; bit < 8; bit++) crc = (crc & 0x8000) !== 0 ? ((crc << 1) ^ 0x1021) & 0xffff : (crc << 1) & 0xffff
+  }
+  return crc % 16384
+}
+
+/**
+ * On a cluster, a proof per master, each on a probe key of a slot that master serves: an ACL, a
+ * key pattern or a script cache is each node's own, and a request's key may land on any of them.
+ * Where the masters cannot be read, the one node of `opening`'s probe, said in a warning.
+ */
+async function masterProofs (context: RedisProofContext, options: StoreProofOptions, opening: Proof): Promise<{ proofs: Proof[], checks: StoreCheck[] }> {
+  let masters: Map<string, Set<number>>
+  try {
+    masters = await beforeAbort(context.driver.clusterMasters(), options.signal, 'CLUSTER SLOTS')
+  } catch (error) {
+    return {
+      proofs: [opening],
+      checks: [warning('cluster slots', `the cluster's masters could not be read (${messageOf(error)}), so only the master of one slot was proven: an ACL or a setting that differs on another master is not seen`,
+        'allow CLUSTER SLOTS to the client\'s Redis user (+cluster|slots): the cluster client needs it too')]
+    }
+  }
+  const proofs: Proof[] = []
+  for (const [node, slots] of masters) {
+    // About as many tries as there are masters (each serves its share of the slots); bounded.
+    for (let attempt = 0; attempt < 100_000; attempt++) {
+      const token = context.tokens.next()
+      const slot = slotOf(`%probe:${token}`)
+      if (slots.has(slot)) {
+        proofs.push(new Proof(context, options, token, node))
+        break
+      }
+    }
+  }
+  return { proofs, checks: [] }
+}
+
+/**
+ * The checks of the proofs of every master as one list, in their order: a check that did not
+ * pass on some master is said for each such master (naming it); one that passed on all, once.
+ */
+function merged (proofs: Proof[]): StoreCheck[] {
+  const names: string[] = []
+  const byName = new Map<string, StoreCheck[]>()
+  for (const proof of proofs) {
+    for (const check of proof.checks) {
+      if (!byName.has(check.name)) names.push(check.name)
+      const shown = proof.node === null || check.outcome === 'passed' ? check : { ...check, found: `on ${proof.node}: ${check.found}` }
+      byName.set(check.name, [...(byName.get(check.name) ?? []), shown])
+    }
+  }
+  return names.flatMap((name) => {
+    const all = byName.get(name)!
+    const notPassed = all.filter((check) => check.outcome !== 'passed')
+    if (notPassed.length > 0) return notPassed
+    return [proofs.length > 1 ? { ...all[0]!, found: `${all[0]!.found} (on each of the ${proofs.length} masters)` } : all[0]!]
+  })
 }
 
 class Proof {
@@ -79,13 +151,16 @@ class Proof {
   readonly #context: RedisProofContext
   readonly #options: StoreProofOptions
   readonly #key: string
+  /** The cluster master whose slot the probe is in (`host:port`), `null` for a Redis. */
+  readonly node: string | null
   #subscription: Promise<Subscription> | undefined
 
-  constructor (context: RedisProofContext, options: StoreProofOptions) {
+  constructor (context: RedisProofContext, options: StoreProofOptions, token: string, node: string | null) {
     this.#context = context
     this.#driver = context.driver
     this.#options = options
-    this.#key = `${context.prefix}{%probe:${context.tokens.next()}}`
+    this.#key = `${context.prefix}{%probe:${token}}`
+    this.node = node
   }
 
   async connected (): Promise<void> {

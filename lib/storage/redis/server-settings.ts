@@ -30,14 +30,14 @@ function configFields (reply: unknown): Map<string, string> {
   return new Map(Object.entries(reply ?? {}).map(([name, value]) => [name, String(value)]))
 }
 
-interface Memory { maxmemory: number, policy: string }
+interface Memory { node: string, maxmemory: number, policy: string }
 
 /** Each master's maxmemory and policy: from INFO memory, else CONFIG GET; why neither could be read. */
 async function memorySettings (driver: RedisDriver, signal: AbortSignal | undefined): Promise<Memory[] | string> {
   let refused: string
   try {
     const replies = await beforeAbort(driver.eachMaster(['INFO', 'memory']), signal, 'INFO memory')
-    const memory = replies.map(infoFields).map((fields) => ({ maxmemory: Number(fields.get('maxmemory')), policy: fields.get('maxmemory_policy') ?? '' }))
+    const memory = replies.map(({ node, reply }) => ({ node, fields: infoFields(reply) })).map(({ node, fields }) => ({ node, maxmemory: Number(fields.get('maxmemory')), policy: fields.get('maxmemory_policy') ?? '' }))
     if (memory.every(({ maxmemory, policy }) => Number.isFinite(maxmemory) && policy !== '')) return memory
     refused = 'INFO memory did not say'
   } catch (error) {
@@ -45,7 +45,7 @@ async function memorySettings (driver: RedisDriver, signal: AbortSignal | undefi
   }
   try {
     const replies = await beforeAbort(driver.eachMaster(['CONFIG', 'GET', 'maxmemory', 'maxmemory-policy']), signal, 'CONFIG GET')
-    return replies.map(configFields).map((fields) => ({ maxmemory: Number(fields.get('maxmemory')), policy: fields.get('maxmemory-policy') ?? '' }))
+    return replies.map(({ node, reply }) => ({ node, fields: configFields(reply) })).map(({ node, fields }) => ({ node, maxmemory: Number(fields.get('maxmemory')), policy: fields.get('maxmemory-policy') ?? '' }))
   } catch (error) {
     return `${refused}, and CONFIG GET too (${messageOf(error)})`
   }
@@ -67,7 +67,7 @@ export async function evictionCheck (driver: RedisDriver, allowEviction: boolean
       : `maxmemory-policy noeviction (maxmemory ${limited.maxmemory} bytes): a full Redis refuses new keys, and evicts none`)
   }
   const { maxmemory, policy } = evicting[0]!
-  const where = memory.length === 1 ? '' : ` on ${evicting.length} of ${memory.length} masters`
+  const where = memory.length === 1 ? '' : ` on ${evicting.length} of ${memory.length} masters (${evicting.map(({ node }) => node).join(', ')})`
   const first = policy === 'volatile-ttl' ? ', leases first (they have the shortest time to live)' : ''
   const found = `maxmemory-policy ${policy} with maxmemory ${maxmemory} bytes${where}: under memory pressure Redis evicts keys of the store (each has an expiry)${first}, and a duplicate of a request whose lease was evicted runs while the first still runs`
   if (allowEviction) return warning(NAME, found, 'allowEviction: true accepts this risk; maxmemory-policy noeviction removes it')
@@ -79,14 +79,14 @@ export async function persistenceCheck (driver: RedisDriver, signal: AbortSignal
   const name = 'persistence'
   let aof: boolean[]
   try {
-    aof = (await beforeAbort(driver.eachMaster(['INFO', 'persistence']), signal, 'INFO persistence')).map((reply) => infoFields(reply).get('aof_enabled') === '1')
+    aof = (await beforeAbort(driver.eachMaster(['INFO', 'persistence']), signal, 'INFO persistence')).map(({ reply }) => infoFields(reply).get('aof_enabled') === '1')
   } catch {
     return null
   }
   if (aof.every(Boolean)) return passed(name, 'append-only file on: a restart keeps the keys')
   let save: string[] | null
   try {
-    save = (await beforeAbort(driver.eachMaster(['CONFIG', 'GET', 'save']), signal, 'CONFIG GET save')).map((reply) => configFields(reply).get('save') ?? '')
+    save = (await beforeAbort(driver.eachMaster(['CONFIG', 'GET', 'save']), signal, 'CONFIG GET save')).map(({ reply }) => configFields(reply).get('save') ?? '')
   } catch {
     save = null
   }
@@ -106,7 +106,7 @@ export async function persistenceCheck (driver: RedisDriver, signal: AbortSignal
 export async function replicaCheck (driver: RedisDriver, signal: AbortSignal | undefined): Promise<StoreCheck | null> {
   let roles: string[]
   try {
-    roles = (await beforeAbort(driver.eachMaster(['INFO', 'replication']), signal, 'INFO replication')).map((reply) => infoFields(reply).get('role') ?? '')
+    roles = (await beforeAbort(driver.eachMaster(['INFO', 'replication']), signal, 'INFO replication')).map(({ reply }) => infoFields(reply).get('role') ?? '')
   } catch {
     return null
   }
