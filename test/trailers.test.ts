@@ -9,6 +9,7 @@ import { request as httpRequest, type IncomingHttpHeaders } from 'node:http'
 import { connect as connectHttp2 } from 'node:http2'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance, type FastifyReply } from 'fastify'
+import fastifyPackage from 'fastify/package.json' with { type: 'json' }
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import type { IdempotencyStorage } from '../lib/storage/types.js'
 import { newKey } from './helpers/app.js'
@@ -82,6 +83,13 @@ async function build (storage: IdempotencyStorage): Promise<{ app: FastifyInstan
   return { app }
 }
 
+/**
+ * Fastify 6.0.0-alpha.4 sends no trailers after a stream body, with the plugin or without it (its
+ * `Trailer` header, then none), although it calls their functions: a stream's trailers reach the
+ * client only on Fastify 5, and on Fastify 6 only the replay carries them.
+ */
+const STREAM_TRAILERS = Number(fastifyPackage.version.split('.')[0]) < 6
+
 for (const store of cases) {
   describe.skipIf(!store.available)(`trailers, on ${store.name}${store.reason}`, () => {
     const served = servedOn(store, build)
@@ -98,14 +106,21 @@ for (const store of cases) {
         // The first answer is the plugin-less one: its trailers, announced in `Trailer`.
         expect(Object.keys(first.trailers).sort()).toEqual(Object.keys(plain.trailers).sort())
         expect(first.headers.trailer).toBe(plain.headers.trailer)
-        expect(first.trailers['x-checksum']).toBeDefined()
+        if (name !== 'stream' || STREAM_TRAILERS) expect(first.trailers['x-checksum']).toBeDefined()
         expect(first.body).toBe(plain.body)
         expect(first.body.length).toBeGreaterThan(0)
         expect(retry.headers['idempotent-replayed']).toBe('true')
         expect(retry.status).toBe(201)
         expect(retry.body).toBe(first.body)
         expect(retry.headers.trailer).toBe(first.headers.trailer)
-        expect(retry.trailers).toEqual(first.trailers)
+        if (name === 'stream' && !STREAM_TRAILERS) {
+          // Fastify 6's first answer computes the trailer and does not send it; the plugin keeps it
+          // as computed (docs/headers.md#trailers).
+          expect(first.trailers).toEqual({})
+          expect(retry.trailers['x-checksum']).toMatch(/^bytes-/)
+        } else {
+          expect(retry.trailers).toEqual(first.trailers)
+        }
       })
     }
   })
@@ -303,7 +318,7 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
       release()
       const answer = await again
       expect(answer.headers['idempotent-replayed']).toBeUndefined()
-      expect(answer.trailers).toEqual({ 'x-checksum': `stream-${before + 2}` })
+      expect(answer.trailers).toEqual(STREAM_TRAILERS ? { 'x-checksum': `stream-${before + 2}` } : {})
     } finally {
       failing = false
     }
