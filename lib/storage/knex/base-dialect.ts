@@ -58,35 +58,22 @@ export abstract class BaseDialect implements Dialect {
   async probeServer (): Promise<void> {}
 
   async readEntry (id: Buffer): Promise<BeginResult | undefined> {
-    const row = await this.alone((db) => db(this.table).first(READ_COLUMNS).where('idempotency_key', id)
+    const row = await this.bound(this.knex(this.table).first(READ_COLUMNS).where('idempotency_key', id)
       .andWhereRaw(`expires_at > ${this.clock.now}`, this.clock.values())) as Row | undefined
     return row === undefined ? undefined : toResult(row)
   }
 
   /**
    * The lease end is also when the row stops mattering. In a request's transaction, through it;
-   * otherwise a statement standing alone (`alone`).
+   * otherwise standing alone (which `bound` runs at READ COMMITTED on a stricter PostgreSQL session).
    */
   async renewLease ({ lease, ...held }: LeaseRenewal, db: Knex | Knex.Transaction = this.knex): Promise<number> {
-    const renew = (on: Knex | Knex.Transaction, inside: boolean): Knex.QueryBuilder =>
-      this.heldLease(on, held, inside).update({ lease_end: this.fromNow(lease, on), expires_at: this.fromNow(lease, on) })
-    if (db.isTransaction === true) return Number(await this.bound(renew(db, true)))
-    return Number(await this.alone((on) => renew(on, false)))
-  }
-
-  /**
-   * A statement of the store standing alone (not a statement of a request's transaction), built
-   * by `build` on the knex it is to run on, and bounded. Here, as it is, on the pool; PostgreSQL
-   * runs it in a READ COMMITTED transaction of its own where the sessions default to a stricter
-   * level (postgres.ts).
-   */
-  protected async alone<T> (build: (db: Knex | Knex.Transaction) => Knex.QueryBuilder | Knex.Raw): Promise<T> {
-    return await this.bound(build(this.knex)) as T
+    return Number(await this.bound(this.heldLease(db, held).update({ lease_end: this.fromNow(lease, db), expires_at: this.fromNow(lease, db) })))
   }
 
   /** `storeResponse` as a plain fenced UPDATE built by knex. */
   protected async updateCompleted (db: Knex | Knex.Transaction, c: Completion): Promise<number> {
-    return Number(await this.bound(this.heldLease(db, c, db.isTransaction === true).update({
+    return Number(await this.bound(this.heldLease(db, c).update({
       state: 'completed',
       token: null,
       // When the lease ended, which is when the response was stored (`inspect` reports it).
@@ -101,7 +88,7 @@ export abstract class BaseDialect implements Dialect {
 
   /** `giveBack` as a plain fenced DELETE. */
   protected async deleteHeldLease (lease: HeldLease): Promise<number> {
-    return Number(await this.alone((db) => this.heldLease(db, lease, false).del()))
+    return Number(await this.bound(this.heldLease(this.knex, lease).del()))
   }
 
   /**
@@ -113,11 +100,9 @@ export abstract class BaseDialect implements Dialect {
   protected async purgeBySubquery (batchSize: number, { skipLocked }: { skipLocked: boolean }): Promise<PurgedBatch> {
     const values = this.clock.values()
     const expired = `expires_at <= ${this.clock.scan}`
-    const deleted = Number(await this.alone((db) => {
-      const batch = db(this.table).select('idempotency_key').whereRaw(expired, values).limit(batchSize)
-      if (skipLocked) batch.forUpdate().skipLocked()
-      return db(this.table).whereIn('idempotency_key', batch).andWhereRaw(expired, values).del()
-    }))
+    const batch = this.knex(this.table).select('idempotency_key').whereRaw(expired, values).limit(batchSize)
+    if (skipLocked) batch.forUpdate().skipLocked()
+    const deleted = Number(await this.bound(this.knex(this.table).whereIn('idempotency_key', batch).andWhereRaw(expired, values).del()))
     return { chosen: deleted, deleted }
   }
 
@@ -129,12 +114,11 @@ export abstract class BaseDialect implements Dialect {
    * lease, its renewals go through its own connection, which a statement of the handler may keep
    * busy for longer than `lockTimeout` (waiting for a lock a migration holds, say): the lease then
    * lapses in the transaction's view while the transaction, holding the row's lock, keeps every
-   * other writer out. (`inside`: a statement of a request's transaction; a statement standing
-   * alone may run in a transaction of its own, see `alone`.)
+   * other writer out.
    */
-  private heldLease (db: Knex | Knex.Transaction, { id, token }: HeldLease, inside: boolean): Knex.QueryBuilder {
+  private heldLease (db: Knex | Knex.Transaction, { id, token }: HeldLease): Knex.QueryBuilder {
     const row = db(this.table).where({ idempotency_key: id, token, state: 'in_flight' })
-    return inside ? row : row.andWhereRaw(`lease_end > ${this.clock.now}`, this.clock.values())
+    return db.isTransaction === true ? row : row.andWhereRaw(`lease_end > ${this.clock.now}`, this.clock.values())
   }
 
   /** `ms` from now, as a value to write. */

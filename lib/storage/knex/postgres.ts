@@ -308,7 +308,7 @@ export class PostgresDialect extends BaseDialect {
 
   /** Notifications carry the key's bytes in base64. */
   async giveBack ({ id, token }: HeldLease): Promise<number> {
-    const { rows } = await this.alone<{ rows: unknown[] }>((db) => db.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
+    const { rows } = await this.bound(this.knex.raw(this.#giveBack, [this.table, id, token, ...this.clock.values(), this.channel, id.toString('base64')]))
     return Number((rows[0] as { changed: unknown }).changed)
   }
 
@@ -325,7 +325,7 @@ export class PostgresDialect extends BaseDialect {
    * `undefined` when it is not held any more.
    */
   async markWaiting (id: Buffer): Promise<number | undefined> {
-    const { rows } = await this.alone<{ rows: unknown[] }>((db) => db.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
+    const { rows } = await this.bound(this.knex.raw(this.#markWaiting, [this.table, id, ...this.clock.values(), ...this.clock.values()]))
     return rows.length === 0 ? undefined : millis((rows[0] as { remaining: unknown }).remaining)
   }
 
