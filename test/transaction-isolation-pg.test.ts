@@ -7,9 +7,9 @@
  * and in transaction mode, which run as READ COMMITTED: at the role's SERIALIZABLE they recorded
  * their reads, and failed one another (and the requests' transactions) as serialization failures.
  */
-import { afterAll, beforeAll, describe, expect, it } from 'vitest'
+import { describe, expect, it } from 'vitest'
 import Fastify from 'fastify'
-import knexFactory, { type Knex } from 'knex'
+import knexFactory from 'knex'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import { KnexStorage } from '../lib/knex.js'
 import { transactionOf } from '../lib/knex.js'
@@ -18,27 +18,11 @@ import { postWithKey } from './helpers/http-client.js'
 import { POSTGRES, pgConnection, service } from './helpers/services.js'
 import { pgbouncer } from './helpers/pgbouncer.js'
 import { reportMatrix, transactionMatrix } from './helpers/transaction-matrix.js'
+import { pgRoleWith } from './helpers/pg-role.js'
 
 const postgres = await service(POSTGRES)
 const bouncer = await pgbouncer()
-const role = `idem_serializable_${process.pid}_${Date.now().toString(36)}`
-let admin: Knex | undefined
-
-beforeAll(async () => {
-  if (!postgres.available) return
-  admin = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 1 } })
-  await admin.raw(`CREATE ROLE ${role} LOGIN`)
-  await admin.raw(`ALTER ROLE ${role} SET default_transaction_isolation = 'serializable'`)
-  // Its tables go to a schema of its own (first on its search_path, "$user"), so nothing is
-  // granted on the shared server's public schema.
-  await admin.raw(`CREATE SCHEMA ${role} AUTHORIZATION ${role}`)
-})
-afterAll(async () => {
-  if (admin === undefined) return
-  await admin.raw(`DROP SCHEMA IF EXISTS ${role} CASCADE`)
-  await admin.raw(`DROP ROLE IF EXISTS ${role}`)
-  await admin.destroy()
-})
+const role = pgRoleWith('idem_serializable', "default_transaction_isolation = 'serializable'", postgres)
 
 transactionMatrix({
   label: 'PostgreSQL, serializable as the role\'s default (no isolationLevel)',

@@ -16,26 +16,12 @@ import { newKey } from './helpers/app.js'
 import { postWithKey } from './helpers/http-client.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
 import { dropApp } from './helpers/transaction-matrix.js'
+import { pgRoleWith } from './helpers/pg-role.js'
 
 const stamp = `${process.pid}_${Date.now().toString(36)}`
-const role = `idem_lock_timeout_${stamp}`
 const postgres = await service(POSTGRES)
 const mariadb = await service(MARIADB)
-let admin: Knex | undefined
-
-beforeAll(async () => {
-  if (!postgres.available) return
-  admin = knexFactory({ client: 'pg', connection: pgConnection, pool: { min: 0, max: 1 } })
-  await admin.raw(`CREATE ROLE ${role} LOGIN`)
-  await admin.raw(`ALTER ROLE ${role} SET lock_timeout = '200ms'`)
-  await admin.raw(`CREATE SCHEMA ${role} AUTHORIZATION ${role}`)
-})
-afterAll(async () => {
-  if (admin === undefined) return
-  await admin.raw(`DROP SCHEMA IF EXISTS ${role} CASCADE`)
-  await admin.raw(`DROP ROLE IF EXISTS ${role}`)
-  await admin.destroy()
-})
+const role = pgRoleWith('idem_lock_timeout', "lock_timeout = '200ms'", postgres)
 
 const servers: Array<{ name: string, availability: Availability, connect: () => Knex }> = [
   { name: 'PostgreSQL, a role\'s lock_timeout', availability: postgres, connect: () => knexFactory({ client: 'pg', connection: { ...pgConnection, user: role } }) },
