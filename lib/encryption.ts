@@ -1,32 +1,36 @@
 /**
  * Encryption at rest: what a store holds about a request says nothing to whoever reads the store.
  *
- * - The stored response is sealed with AES-256-GCM (`node:crypto`). The first key seals; every
- *   configured key opens, so keys rotate without a flag day. The entry's storage key and status
- *   are bound in as associated data: a sealed entry moved to another key, or given another status,
- *   no longer opens.
- * - The key and scope reach the store as a keyed hash (HMAC-SHA256 with `keyHashSecret`), so the
- *   store never sees a client's key or who asked, and every storage key has one length.
+ * - The stored response is sealed with ChaCha20-Poly1305 (through sodium-native when installed)
+ *   or AES-256-GCM (sealing/aead.ts). The first key seals; every configured key opens, so keys
+ *   rotate without a flag day. The entry's storage key and status are bound in as associated
+ *   data: a sealed entry moved to another key, or given another status, no longer opens.
+ * - The key and scope reach the store as a keyed hash (HMAC-SHA256 with `keyHashSecret`,
+ *   sealing/keyed-hash.ts), so the store never sees a client's key or who asked, and every
+ *   storage key has one length.
  *
  * A sealed entry is an ordinary StoredResponse to the store: the status in clear, a marker content
  * type, no headers, and the envelope as its body:
  *
- *   version (1) | key id (8) | IV (12) | GCM tag (16) | ciphertext of [meta length (4) | meta JSON | body]
+ *   version (1) | key id (8) | nonce (12) | tag (16) | ciphertext of [meta length (4) | meta JSON | body]
  *
  * where meta holds the content type, the headers, and whether the body was omitted.
  */
-import { createCipheriv, createDecipheriv, createHmac, createSecretKey, hash, randomFillSync, type KeyObject } from 'node:crypto'
+import { createHmac, createSecretKey, randomFillSync } from 'node:crypto'
 import { LRUCache } from 'lru-cache'
+import { ALGORITHMS, HEADER_BYTES, KEY_ID_BYTES, NONCE_AT, NONCE_BYTES, openFrom, sealInto, type Algorithm, type CipherKey, type EnvelopeVersion } from './sealing/aead.js'
+import { keyedHash, type KeyedHash } from './sealing/keyed-hash.js'
+import { loadSodium, type Sodium } from './sealing/sodium.js'
 import type { StoredResponse } from './storage/types.js'
 import { UnreadableEntryError } from './storage/unreadable-entry.js'
 
 /**
- * The `encryption` option: stored responses sealed with AES-256-GCM, keys hashed with HMAC-SHA-256
- * (docs/security.md).
+ * The `encryption` option: stored responses sealed with ChaCha20-Poly1305 or AES-256-GCM, keys
+ * hashed with HMAC-SHA-256 (docs/security.md).
  */
 export interface EncryptionOptions {
   /**
-   * 32-byte AES-256 keys, as Buffers or base64 strings. The first seals new entries; each of them
+   * 32-byte keys, as Buffers or base64 strings. The first seals new entries; each of them
    * opens entries sealed with it. To rotate, put a new key first and drop the old one once the
    * entries it sealed have expired (`expiration`).
    */
@@ -37,6 +41,12 @@ export interface EncryptionOptions {
    * of the entries stored before, nor the leases held, so it is not rotated with the keys.
    */
   keyHashSecret: Buffer | string
+  /**
+   * The cipher new entries are sealed with: `'chacha20-poly1305'` (the default when sodium-native
+   * is installed) or `'aes-256-gcm'` (the default without it, and the only one version 0.1
+   * opens: pin it while a rolling deploy from 0.1 runs). Entries sealed with either always open.
+   */
+  algorithm?: Algorithm
 }
 
 /** The content type that marks a sealed entry in the store. */
@@ -44,11 +54,6 @@ export const SEALED_CONTENT_TYPE = 'application/vnd.fastify-idempotency.sealed'
 /** Marks a storage key that is a keyed hash (see engine/storage-key.ts for the other forms). */
 export const KEYED_HASH_PREFIX = '\u0000hmac:'
 
-const VERSION = 1
-const KEY_ID_BYTES = 8
-const IV_BYTES = 12
-const TAG_BYTES = 16
-const HEADER_BYTES = 1 + KEY_ID_BYTES + IV_BYTES + TAG_BYTES
 const KEY_BYTES = 32
 
 interface Meta {
@@ -69,45 +74,57 @@ function secretBytes (value: unknown, name: string, exact: boolean): Buffer {
   return Buffer.from(bytes)
 }
 
-/** A configured key: its id as two 32-bit halves (compared in place in an envelope), its key object. */
+/** A configured key: its id as two 32-bit halves (compared in place in an envelope), the key itself. */
 interface OpeningKey {
   idHigh: number
   idLow: number
-  key: KeyObject
+  key: CipherKey
 }
 
 export class ResponseCipher {
   /** The first one seals. A handful at most: looked through in order, with no allocation. */
   readonly #keys: OpeningKey[]
   readonly #sealingId: Buffer
-  /**
-   * Key objects made once: createCipheriv takes their handle as it is, where a Buffer is
-   * validated and copied into a new native key on every call.
-   */
-  readonly #sealingKey: KeyObject
+  readonly #sealingKey: CipherKey
+  /** The version new envelopes get: which cipher seals. */
+  readonly #sealingVersion: EnvelopeVersion
+  /** sodium-native's functions, or `null` to do everything through node:crypto. */
+  readonly #sodium: Sodium | null
   readonly #keyedHash: KeyedHash
   readonly #ivs = new IvPool()
   /** Keyed hashes of recent storage keys (see hashKey). */
-  readonly #hashedKeys = new LRUCache<string, string>({ max: HASHED_KEYS_KEPT })
+  readonly #hashedKeys = new RecentHashes()
   /** The entries opened last, by storage key (see open). */
   readonly #opened = new LRUCache<string, OpenedEntry>({ max: OPENED_ENTRIES_KEPT })
   /** The meta JSON of a response with no header, by content type (see #metaJson). */
   readonly #headerlessMeta = new Map<string | null, string>()
   readonly #associatedData = new AssociatedData()
 
-  constructor (options: EncryptionOptions) {
+  /**
+   * `sodium`: sodium-native's functions, found once per process; `null` has node:crypto do
+   * everything (the tests run both).
+   */
+  constructor (options: EncryptionOptions, sodium: Sodium | null = loadSodium()) {
     if (options === null || typeof options !== 'object') throw new TypeError('fastify-idempotency: invalid options: encryption must be an object { keys, keyHashSecret }')
     if (!Array.isArray(options.keys) || options.keys.length === 0) throw new TypeError('fastify-idempotency: invalid options: encryption.keys must be a non-empty array of 32-byte keys')
+    const unknown = Object.keys(options).find((name) => !ENCRYPTION_OPTIONS.has(name))
+    if (unknown !== undefined) throw new TypeError(`fastify-idempotency: invalid options: unknown option encryption.${unknown} (known: ${[...ENCRYPTION_OPTIONS].join(', ')})`)
+    const algorithm = options.algorithm ?? (sodium === null ? 'aes-256-gcm' : 'chacha20-poly1305')
+    if (!Object.hasOwn(ALGORITHMS, algorithm)) throw new TypeError(`fastify-idempotency: invalid options: encryption.algorithm must be one of ${Object.keys(ALGORITHMS).map((name) => `'${name}'`).join(', ')}`)
+    this.#sealingVersion = ALGORITHMS[algorithm]
+    this.#sodium = sodium
     this.#keys = []
     const ids = options.keys.map((key, index) => {
       const bytes = secretBytes(key, `keys[${index}]`, true)
       const id = keyId(bytes)
-      this.#keys.push({ idHigh: id.readUInt32BE(0), idLow: id.readUInt32BE(4), key: createSecretKey(bytes) })
+      // Key objects made once: createCipheriv takes their handle as it is, where a Buffer is
+      // validated and copied into a new native key on every call.
+      this.#keys.push({ idHigh: id.readUInt32BE(0), idLow: id.readUInt32BE(4), key: { bytes, object: createSecretKey(bytes) } })
       return id
     })
     this.#sealingKey = this.#keys[0]!.key
     this.#sealingId = ids[0]!
-    this.#keyedHash = new KeyedHash(secretBytes(options.keyHashSecret, 'keyHashSecret', false))
+    this.#keyedHash = keyedHash(secretBytes(options.keyHashSecret, 'keyHashSecret', false), sodium)
   }
 
   /** The storage key for a key and scope, composed as engine/storage-key.ts composes them. */
@@ -122,19 +139,15 @@ export class ResponseCipher {
 
   seal (storageKey: string, response: StoredResponse): StoredResponse {
     const plain = plaintext(this.#metaJson(response), response.bodyOmitted === true ? EMPTY : response.body)
-    const iv = this.#ivs.next()
-    const cipher = createCipheriv('aes-256-gcm', this.#sealingKey, iv)
-    cipher.setAAD(this.#associatedData.of(storageKey, response.statusCode))
-    const encrypted = cipher.update(plain)
-    cipher.final()
-    // Every byte is written below. A small envelope is a slice of Node's shared pool, as
-    // Buffer.concat would make it: the cheapest allocation (MemoryStorage keeps a copy of its own).
-    const envelope = Buffer.allocUnsafe(HEADER_BYTES + encrypted.length)
-    envelope[0] = VERSION
+    // Every byte is written here and in sealInto. A small envelope is a slice of Node's shared
+    // pool, as Buffer.concat would make it: the cheapest allocation (MemoryStorage keeps a copy of
+    // its own). Both ciphers' ciphertexts are as long as their plaintexts.
+    const envelope = Buffer.allocUnsafe(HEADER_BYTES + plain.length)
+    envelope[0] = this.#sealingVersion
     envelope.set(this.#sealingId, 1)
-    envelope.set(iv, 1 + KEY_ID_BYTES)
-    envelope.set(cipher.getAuthTag(), 1 + KEY_ID_BYTES + IV_BYTES)
-    envelope.set(encrypted, HEADER_BYTES)
+    const nonce = this.#ivs.next()
+    envelope.set(nonce, NONCE_AT)
+    sealInto(this.#sealingVersion, this.#sodium, this.#sealingKey, this.#associatedData.of(storageKey, response.statusCode), nonce, plain, envelope)
     return { statusCode: response.statusCode, contentType: SEALED_CONTENT_TYPE, headers: {}, body: envelope }
   }
 
@@ -181,17 +194,13 @@ export class ResponseCipher {
 
   #decrypt (storageKey: string, entry: StoredResponse): StoredResponse {
     const body = entry.body
-    if (body.length < HEADER_BYTES || body[0] !== VERSION) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
+    const version = body[0]
+    if (body.length < HEADER_BYTES || (version !== 1 && version !== 2)) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
     const key = this.#openingKey(body)
     if (key === undefined) throw new UnreadableEntryError('the entry was sealed with a key that is no longer configured')
     let plain: Buffer
     try {
-      const decipher = createDecipheriv('aes-256-gcm', key, body.subarray(1 + KEY_ID_BYTES, 1 + KEY_ID_BYTES + IV_BYTES))
-      decipher.setAAD(this.#associatedData.of(storageKey, entry.statusCode))
-      decipher.setAuthTag(body.subarray(1 + KEY_ID_BYTES + IV_BYTES, HEADER_BYTES))
-      plain = decipher.update(body.subarray(HEADER_BYTES))
-      // GCM returns nothing more here; final() is what checks the tag.
-      decipher.final()
+      plain = openFrom(version, this.#sodium, key, this.#associatedData.of(storageKey, entry.statusCode), body)
     } catch (error) {
       throw new UnreadableEntryError('the entry failed authentication: it was altered, or moved from another key', { cause: error })
     }
@@ -202,7 +211,7 @@ export class ResponseCipher {
     return response
   }
 
-  #openingKey (envelope: Buffer): KeyObject | undefined {
+  #openingKey (envelope: Buffer): CipherKey | undefined {
     const high = envelope.readUInt32BE(1)
     const low = envelope.readUInt32BE(5)
     for (const key of this.#keys) if (key.idHigh === high && key.idLow === low) return key.key
@@ -211,9 +220,32 @@ export class ResponseCipher {
 }
 
 const EMPTY = Buffer.alloc(0)
+const ENCRYPTION_OPTIONS = new Set(['keys', 'keyHashSecret', 'algorithm'])
 
 /** Most keyed hashes kept by hashKey: at most about 1 MiB of keys with their hashes. */
 const HASHED_KEYS_KEPT = 4096
+
+/**
+ * The keyed hashes of the keys seen last: at least the last HASHED_KEYS_KEPT, at most twice as
+ * many. Two generations of Maps, the older dropped whole when the newer is full: a first request
+ * adds its key at the cost of a Map insertion, where an LRU list costs several times that.
+ */
+class RecentHashes {
+  #current = new Map<string, string>()
+  #previous = new Map<string, string>()
+
+  get (composed: string): string | undefined {
+    return this.#current.get(composed) ?? this.#previous.get(composed)
+  }
+
+  set (composed: string, hashed: string): void {
+    if (this.#current.size === HASHED_KEYS_KEPT) {
+      this.#previous = this.#current
+      this.#current = new Map()
+    }
+    this.#current.set(composed, hashed)
+  }
+}
 /** Most entries kept opened, and the largest envelope kept: at most 4 MiB of envelopes and as much plaintext. */
 const OPENED_ENTRIES_KEPT = 128
 const OPENED_ENVELOPE_MAX_BYTES = 16 * 1024
@@ -239,64 +271,24 @@ function plaintext (metaJson: string, body: Buffer): Buffer {
 }
 
 /**
- * Random 96-bit IVs, drawn from the system's CSPRNG 4 KiB at a time instead of one native call per
- * entry: the same randomness, each IV handed out once. GCM's limit for random IVs (2^32 entries
- * per key) is unchanged.
+ * Random 96-bit nonces, drawn from the system's CSPRNG 4 KiB at a time instead of one native call
+ * per entry: the same randomness, each nonce handed out once. The limit for random 96-bit nonces
+ * (2^32 entries per key, for GCM and ChaCha20-Poly1305 alike) is unchanged.
  */
 class IvPool {
   static readonly #COUNT = 340
-  readonly #pool = Buffer.allocUnsafeSlow(IV_BYTES * IvPool.#COUNT)
+  readonly #pool = Buffer.allocUnsafeSlow(NONCE_BYTES * IvPool.#COUNT)
+  /** A view of each nonce of the pool, made once: the pool is refilled in place. */
+  readonly #nonces = Array.from({ length: IvPool.#COUNT }, (_, index) => this.#pool.subarray(NONCE_BYTES * index, NONCE_BYTES * (index + 1)))
   #next = IvPool.#COUNT
 
-  /** A fresh IV; valid until the next call (the cipher copies it when it is set up). */
+  /** A fresh nonce; valid until the pool is refilled, IvPool.#COUNT calls later (a seal uses it at once). */
   next (): Buffer {
     if (this.#next === IvPool.#COUNT) {
       randomFillSync(this.#pool)
       this.#next = 0
     }
-    const offset = IV_BYTES * this.#next++
-    return this.#pool.subarray(offset, offset + IV_BYTES)
-  }
-}
-
-/**
- * HMAC-SHA256 (RFC 2104) under one secret, as two one-shot hashes over pads derived once:
- * SHA-256((K ^ opad) || SHA-256((K ^ ipad) || message)). The same digest createHmac gives, without
- * the native HMAC context createHmac sets up on every call, which inside a busy server costs more
- * than both hashes (7.5 against 4.7 µs of server CPU per request, bench/analysis.md).
- */
-class KeyedHash {
-  static readonly #BLOCK = 64
-  static readonly #SCRATCH = 4096
-  /** The inner pad, followed by room for a message that fits. */
-  readonly #inner: Buffer
-  /** The outer pad, followed by the inner digest. */
-  readonly #outer: Buffer
-
-  constructor (secret: Buffer) {
-    // A secret longer than the hash's block is hashed first, as RFC 2104 says.
-    const key = secret.length > KeyedHash.#BLOCK ? hash('sha256', secret, 'buffer') : secret
-    this.#inner = Buffer.alloc(KeyedHash.#SCRATCH)
-    this.#outer = Buffer.alloc(KeyedHash.#BLOCK + 32)
-    for (let index = 0; index < KeyedHash.#BLOCK; index++) {
-      const byte = key[index] ?? 0
-      this.#inner[index] = byte ^ 0x36
-      this.#outer[index] = byte ^ 0x5c
-    }
-  }
-
-  /** The digest of `text` as UTF-16 code units (so that lone surrogates hash apart), base64url. */
-  digest (text: string): string {
-    const length = KeyedHash.#BLOCK + text.length * 2
-    let message: Buffer
-    if (length <= KeyedHash.#SCRATCH) {
-      this.#inner.write(text, KeyedHash.#BLOCK, 'utf16le')
-      message = this.#inner.subarray(0, length)
-    } else {
-      message = Buffer.concat([this.#inner.subarray(0, KeyedHash.#BLOCK), Buffer.from(text, 'utf16le')])
-    }
-    this.#outer.set(hash('sha256', message, 'buffer'), KeyedHash.#BLOCK)
-    return hash('sha256', this.#outer, 'base64url')
+    return this.#nonces[this.#next++]!
   }
 }
 

@@ -1,14 +1,16 @@
 /**
- * The sealed envelope across versions of the code: entries sealed before ResponseCipher reused
- * its per-key set-up (test/fixtures/sealed-v1.json) still open, to the same response; the keyed
- * hash of a key and scope never changes (another hash would find none of the stored entries); and
- * what is sealed now keeps the version 1 layout, so a process still running the earlier code
- * opens it during a rolling deploy.
+ * The sealed envelope across versions of the code: entries sealed with AES-256-GCM by every
+ * earlier version (test/fixtures/sealed-v1.json) and with ChaCha20-Poly1305 by this one
+ * (sealed-v2.json) open, to the same response, with sodium-native and without it; the keyed hash
+ * of a key and scope never changes (another hash would find none of the stored entries), whichever
+ * computes it; and `algorithm: 'aes-256-gcm'` seals in the version 1 layout, so a process still
+ * running an earlier version opens it during a rolling deploy.
  */
 import { createHmac } from 'node:crypto'
 import { readFileSync } from 'node:fs'
 import { describe, expect, it } from 'vitest'
 import { ResponseCipher, SEALED_CONTENT_TYPE } from '../lib/encryption.js'
+import { loadSodium } from '../lib/sealing/sodium.js'
 import { UnreadableEntryError } from '../lib/storage/unreadable-entry.js'
 import type { StoredResponse } from '../lib/index.js'
 
@@ -112,8 +114,8 @@ describe('sealed envelope, version 1', () => {
     expect(others.slice(0, 50).map((composed) => fresh.hashKey(composed))).toEqual(first.slice(0, 50))
   })
 
-  it('seals in the same layout: version, key id, IV, tag, then the ciphertext of meta length, meta and body, nothing more', () => {
-    const sealer = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret })
+  it('seals in the same layout with algorithm aes-256-gcm: version, key id, IV, tag, then the ciphertext of meta length, meta and body, nothing more', () => {
+    const sealer = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret, algorithm: 'aes-256-gcm' })
     const [first] = fixture.entries
     const response = stored(first!.response)
     const sealed = sealer.seal(first!.storageKey, response)
@@ -125,5 +127,71 @@ describe('sealed envelope, version 1', () => {
     // A fresh IV per entry.
     expect(sealer.seal(first!.storageKey, response).body.subarray(9, 21)).not.toEqual(sealed.body.subarray(9, 21))
     expect(both.open(first!.storageKey, sealed)).toEqual(response)
+  })
+})
+
+const sodium = loadSodium()
+const fixtureV2 = JSON.parse(readFileSync(new URL('./fixtures/sealed-v2.json', import.meta.url), 'utf8')) as Fixture
+
+describe('sodium-native', () => {
+  // Installed with the suite (an optional dependency): without it, the tests below would measure
+  // node:crypto twice. On CI it must load.
+  it.runIf(process.env.CI === 'true' || sodium !== null)('loads, and passes its self-test against node:crypto', () => {
+    expect(sodium).not.toBeNull()
+  })
+})
+
+describe('sealed envelope, version 2 (ChaCha20-Poly1305), with and without sodium-native', () => {
+  const implementations = [['sodium-native', sodium], ['node:crypto', null]] as const
+
+  it('opens every entry sealed by the version that introduced it, and refuses it moved or altered', () => {
+    for (const [, implementation] of implementations) {
+      const cipher = new ResponseCipher({ keys: [fixtureV2.keys.key2, fixtureV2.keys.key1], keyHashSecret: fixtureV2.keyHashSecret }, implementation)
+      for (const entry of fixtureV2.entries) {
+        const sealed = stored(entry.sealed)
+        expect(sealed.body[0]).toBe(2)
+        expect(cipher.open(entry.storageKey, sealed)).toEqual(stored(entry.response))
+        expect(() => cipher.open(`${entry.storageKey}x`, sealed)).toThrow(/altered, or moved/)
+        const altered = Buffer.from(sealed.body)
+        altered[25] = altered[25]! ^ 1
+        expect(() => cipher.open(entry.storageKey, { ...sealed, body: altered })).toThrow(UnreadableEntryError)
+      }
+    }
+  })
+
+  it('seals with ChaCha20-Poly1305 by default with sodium-native, with AES-256-GCM without it, and each opens what the other sealed', () => {
+    const withSodium = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret }, sodium)
+    const without = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret }, null)
+    const response = stored(fixture.entries[0]!.response)
+    const a = withSodium.seal('k', response)
+    const b = without.seal('k', response)
+    expect(a.body[0]).toBe(sodium === null ? 1 : 2)
+    expect(b.body[0]).toBe(1)
+    expect(without.open('k', a)).toEqual(response)
+    expect(withSodium.open('k', b)).toEqual(response)
+    // Pinned, node:crypto alone seals ChaCha20-Poly1305 too, and sodium-native opens it.
+    const pinned = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret, algorithm: 'chacha20-poly1305' }, null).seal('k', response)
+    expect(pinned.body[0]).toBe(2)
+    expect(withSodium.open('k', pinned)).toEqual(response)
+    expect(pinned.body.length).toBe(a.body.length)
+  })
+
+  it('hashes every key as node:crypto\'s HMAC-SHA256 does, however it computes it', () => {
+    const texts = ['', 'k', 'scope\nkey', 'a\uD800b', 'é€😀', 'x'.repeat(2047), 'y'.repeat(2048), 'z'.repeat(2049), 'w\uD800'.repeat(3000)]
+    for (const [, implementation] of implementations) {
+      for (const length of [32, 64, 65, 200]) {
+        const secret = Buffer.from(Array.from({ length }, (_, index) => (index * 31 + length) & 0xff))
+        const cipher = new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: secret }, implementation)
+        // Twice over: the second round comes from the views and states kept.
+        for (let round = 0; round < 2; round++) {
+          for (const text of texts) expect(cipher.hashKey(text + String(round))).toBe(`\u0000hmac:${createHmac('sha256', secret).update(text + String(round), 'utf16le').digest('base64url')}`)
+        }
+      }
+    }
+  })
+
+  it('refuses an unknown algorithm and an unknown option at start-up', () => {
+    expect(() => new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret, algorithm: 'aes-128-gcm' as never })).toThrow(/encryption.algorithm must be one of 'aes-256-gcm', 'chacha20-poly1305'/)
+    expect(() => new ResponseCipher({ keys: [fixture.keys.key1], keyHashSecret: fixture.keyHashSecret, algorithim: 'aes-256-gcm' } as never)).toThrow(/unknown option encryption.algorithim/)
   })
 })

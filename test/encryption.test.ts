@@ -140,6 +140,20 @@ for (const store of cases) {
       expect(runs).toBe(before + 1)
     })
 
+    it('replays what either cipher sealed: AES-256-GCM entries (every earlier version\'s) after an upgrade, ChaCha20-Poly1305 entries on an app pinned to GCM', async () => {
+      for (const [first, second] of [['aes-256-gcm', 'chacha20-poly1305'], ['chacha20-poly1305', 'aes-256-gcm']] as const) {
+        const key = `cipher-${first}-${store.name}`
+        const before = runs
+        const original = await post(await start({ encryption: { ...encryption, algorithm: first } }), SECRET.tokenA, key)
+        const replayed = await post(await start({ encryption: { ...encryption, algorithm: second } }), SECRET.tokenA, key)
+        expect(original.status).toBe(201)
+        expect(replayed.status).toBe(201)
+        expect(replayed.headers.get('idempotent-replayed')).toBe('true')
+        expect(replayed.body).toBe(original.body)
+        expect(runs).toBe(before + 1)
+      }
+    })
+
     it('refuses an entry sealed with a key no longer configured (409, not retried), and never runs the handler again', async () => {
       const key = `removed-${store.name}`
       const before = runs
