@@ -8,6 +8,17 @@
  *   ours     SET key lease PX NX GET, then EVALSHA of the storage's END_LEASE script
  *   minimal  the same begin, then a script that only compares the fence and SETs (no waiters byte)
  *   function the minimal script as a Redis 7 function (FCALL)
+ *
+ * and two that need no script, to weigh them against the script (docs/benchmarks.md):
+ *
+ *   first-wins  a lease key apart from the response key: begin is GET response + SET lease NX GET
+ *               (one round trip), complete is SET response NX PX: the first completion wins,
+ *               whoever holds the lease (a holder whose lease lapsed is not fenced off)
+ *   rename      a strict fence from commands alone: begin is MULTI, SET key lease NX GET PX, SET
+ *               lease-token key PX (the same expiry), EXEC; complete is MULTI, GETRANGE of the
+ *               lease (its waiters byte), SET lease-token key entry XX PX, RENAME it onto the key,
+ *               EXEC: the entry lands only while the caller's token key lives, which it does only
+ *               while its lease does
  */
 import { execFileSync } from 'node:child_process'
 import { readdirSync, readFileSync } from 'node:fs'
@@ -50,6 +61,23 @@ async function main (): Promise<void> {
       const lease = 'L' + String(unique).padStart(36, '0') + '-' + String(Date.now() + 60_000) + '|f1'
       await client.set(key, lease, 'PX', 60_000, 'NX', 'GET')
       if (await client.evalsha(minimalSha, 1, key, lease.slice(0, 38), entry, 2000) !== 1) throw new Error('not stored')
+    },
+    'first-wins': async () => {
+      const id = ++unique
+      const replies = await client.pipeline().get(`first:{${id}}:response`).set(`first:{${id}}`, 'L' + String(id).padStart(36, '0') + '-' + String(Date.now() + 60_000) + '|f1', 'PX', 60_000, 'NX', 'GET').exec() as Array<[Error | null, unknown]>
+      const [[, stored], [, held]] = replies as [[Error | null, unknown], [Error | null, unknown]]
+      if (stored !== null || held !== null) throw new Error('not free')
+      if (await client.set(`first:{${id}}:response`, entry, 'PX', 2000, 'NX') !== 'OK') throw new Error('not stored')
+    },
+    rename: async () => {
+      const id = ++unique
+      const key = `rename:{${id}}`
+      const token = String(id).padStart(36, '0')
+      const lease = 'L' + token + '-' + String(Date.now() + 60_000) + '|f1'
+      const begun = await client.multi().set(key, lease, 'PX', 60_000, 'NX', 'GET').set(`${key}:${token}`, '', 'PX', 60_000).exec() as Array<[Error | null, unknown]>
+      if (begun[0]![1] !== null) throw new Error('not free')
+      const ended = await client.multi().getrange(key, 0, 37).call('SET', `${key}:${token}`, entry, 'XX', 'PX', '2000').rename(`${key}:${token}`, key).exec() as Array<[Error | null, unknown]>
+      if (ended[2]![0] !== null) throw new Error('not stored')
     },
     function: async () => {
       const key = `function:{${++unique}}`
