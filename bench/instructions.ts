@@ -38,8 +38,11 @@ const run = promisify(execFile)
 const RESULTS_DIR = join(REPO_ROOT, 'bench', 'results')
 const DOCS_PAGE = join(REPO_ROOT, 'docs', 'benchmarks.md')
 
-/** The default set: the bare route, the in-process floor, memory (plain and sealed), the Redis floor, ours on node-redis and the peer on node-redis. */
-const DEFAULT_SCENARIOS = ['bare', 'memory-floor', 'memory', 'memory-sealed', 'redis-floor', 'redis-node-redis', 'node-idem-redis']
+/**
+ * The default set: the bare route, the in-process floor, memory (plain and sealed), PostgreSQL and
+ * its floor, the Redis floor, ours on ioredis and node-redis, and the peer.
+ */
+const DEFAULT_SCENARIOS = ['bare', 'memory-floor', 'memory', 'memory-sealed', 'pg-floor', 'knex-pg', 'redis-floor', 'redis', 'redis-node-redis', 'node-idem-redis']
 const DEFAULT_WORKLOADS: Workload[] = ['REPLAY', 'NEW']
 /** The bare route does the same for a replayed key as for a fresh one: NEW only. */
 const ONLY_NEW = new Set(['bare'])
