@@ -137,8 +137,10 @@ export class ResponseCipher {
     return hashed
   }
 
-  seal (storageKey: string, response: StoredResponse): StoredResponse {
-    const plain = plaintext(this.#metaJson(response), response.bodyOmitted === true ? EMPTY : response.body)
+  /** `text`: the body is this string (and `response.body` is not read), as the handler sent it. */
+  seal (storageKey: string, response: StoredResponse, text?: string): StoredResponse {
+    const omitted = response.bodyOmitted === true
+    const plain = plaintext(this.#metaJson(response), omitted ? EMPTY : response.body, omitted ? undefined : text)
     // Every byte is written here and in sealInto. A small envelope is a slice of Node's shared
     // pool, as Buffer.concat would make it: the cheapest allocation (MemoryStorage keeps a copy of
     // its own). Both ciphers' ciphertexts are as long as their plaintexts.
@@ -261,12 +263,14 @@ interface OpenedEntry {
  * What is encrypted, in one buffer: meta length (4) | meta JSON | body. One cipher call costs a
  * native call and a new output buffer; copying a body of a few KiB costs less than either.
  */
-function plaintext (metaJson: string, body: Buffer): Buffer {
+function plaintext (metaJson: string, body: Buffer, text: string | undefined): Buffer {
   const metaLength = Buffer.byteLength(metaJson)
-  const plain = Buffer.allocUnsafe(4 + metaLength + body.length)
+  const bodyLength = text === undefined ? body.length : Buffer.byteLength(text)
+  const plain = Buffer.allocUnsafe(4 + metaLength + bodyLength)
   plain.writeUInt32BE(metaLength, 0)
   plain.write(metaJson, 4)
-  plain.set(body, 4 + metaLength)
+  if (text === undefined) plain.set(body, 4 + metaLength)
+  else plain.write(text, 4 + metaLength)
   return plain
 }
 

@@ -154,6 +154,35 @@ for (const store of cases) {
       }
     })
 
+    it('seals a body sent as a string as its UTF-8 bytes: replayed byte for byte, and kept without it once those bytes pass maxResponseBytes', async () => {
+      const text = 'é€😀 naïve '.repeat(20)
+      const bytes = Buffer.byteLength(text)
+      for (const [limit, omitted] of [[bytes, false], [bytes - 1, true]] as const) {
+        const app = Fastify()
+        await app.register(idempotency, { storage, encryption, maxResponseBytes: limit })
+        let runs = 0
+        app.post('/text', { config: { idempotency: true } }, async (_request, reply) => { runs++; reply.type('text/plain; charset=utf-8'); return text })
+        apps.push(app)
+        const url = `${await app.listen({ host: '127.0.0.1', port: 0 })}/text`
+        const key = `text-${limit}-${store.name}`
+        const send = async (): Promise<Response> => await fetch(url, { method: 'POST', headers: { 'idempotency-key': key } })
+        const first = await send()
+        const firstBody = Buffer.from(await first.arrayBuffer())
+        const replay = await send()
+        const replayBody = Buffer.from(await replay.arrayBuffer())
+        expect(firstBody.toString()).toBe(text)
+        expect(replay.headers.get('idempotent-replayed')).toBe('true')
+        expect(runs).toBe(1)
+        if (omitted) {
+          expect(replay.headers.get('idempotent-body-omitted')).toBe('true')
+          expect(replayBody.length).toBe(0)
+        } else {
+          expect(replayBody.equals(firstBody)).toBe(true)
+          expect(replay.headers.get('content-type')).toBe('text/plain; charset=utf-8')
+        }
+      }
+    })
+
     it('refuses an entry sealed with a key no longer configured (409, not retried), and never runs the handler again', async () => {
       const key = `removed-${store.name}`
       const before = runs

@@ -44,8 +44,9 @@ export interface Settlement {
  *
  * `statusCode` is the status the client gets, for events. `text`: the body is this string, as the
  * handler sent it, and `response.body` is left empty. The adapter gives one only when nothing on
- * the way reads the body (no `storeIf`, `redact`, encryption or transaction) and the store keeps
- * text (StoreDoor.keepsText): a first request then makes no Buffer of its body.
+ * the way reads the body (no `storeIf`, `redact` or transaction), and the store keeps text
+ * (StoreDoor.keepsText) or the response is sealed (the seal writes the text into its plaintext):
+ * a first request then makes no Buffer of its body.
  */
 export type Ending =
   | { kind: 'store', statusCode: number, response: StoredResponse, text?: string }
@@ -113,7 +114,7 @@ function decide ({ settings, door: { cipher } }: RouteEngine, state: RequestStat
   if (ending.kind === 'give-back') return { kept: null, final: ending }
   const { storeIf, redact } = state.callbacks
   if (storeIf === null && redact === null) {
-    return { kept: ending.response, final: cipher === null ? ending : { kind: 'store', statusCode: ending.statusCode, response: cipher.seal(state.storageKey, ending.response) } }
+    return { kept: ending.response, final: cipher === null ? ending : { kind: 'store', statusCode: ending.statusCode, response: cipher.seal(state.storageKey, ending.response, ending.text) } }
   }
   return decideWithCallbacks(settings, cipher, state, ending)
 }

@@ -61,7 +61,9 @@ export const SAFE_METHODS: ReadonlySet<string> = new Set(['GET', 'HEAD', 'OPTION
  */
 export function createRouteHooks (plugin: PluginSettings, settings: RouteSettings, url: string, safeMethods: boolean, inFlight: InFlight): RouteHooks {
   const engine = createRouteEngine(plugin.storage, settings, url, plugin.cipher, inFlight)
-  const textBodies = engine.door.keepsText && engine.door.cipher === null && settings.storeIf === null && settings.redact === null
+  // A body sent as a string stays one up to the store that keeps text, or up to the seal, which
+  // writes it into the plaintext: no Buffer of it is made on the way.
+  const textBodies = (engine.door.keepsText || engine.door.cipher !== null) && settings.storeIf === null && settings.redact === null
   const route: GuardedRoute = { engine, plugin, settings, url, credentialsWarned: settings.scope !== null, textBodies, laterOnSend: false }
   return {
     onRequest: onRequestHook(route, safeMethods),
