@@ -43,8 +43,8 @@ export interface EncryptionOptions {
   keyHashSecret: Buffer | string
   /**
    * The cipher new entries are sealed with: `'chacha20-poly1305'` (the default when sodium-native
-   * is installed) or `'aes-256-gcm'` (the default without it, and the only one version 0.1
-   * opens: pin it while a rolling deploy from 0.1 runs). Entries sealed with either always open.
+   * is installed) or `'aes-256-gcm'` (the default without it; pin it where a policy requires
+   * AES-GCM, as FIPS 140 does). Entries sealed with either always open.
    */
   algorithm?: Algorithm
 }
