@@ -309,11 +309,14 @@ function keyId (key: Buffer): Buffer {
 class AssociatedData {
   static readonly #SCRATCH = 2048
   readonly #scratch = Buffer.allocUnsafeSlow(AssociatedData.#SCRATCH)
+  /** Views of the scratch by length, made once each: storage keys that are keyed hashes have one length. */
+  readonly #views: Buffer[] = []
 
   of (storageKey: string, statusCode: number): Buffer {
     const text = `${statusCode}\n${storageKey}`
     if (text.length * 2 > AssociatedData.#SCRATCH) return Buffer.from(text, 'utf16le')
-    return this.#scratch.subarray(0, this.#scratch.write(text, 'utf16le'))
+    const length = this.#scratch.write(text, 'utf16le')
+    return this.#views[length] ??= this.#scratch.subarray(0, length)
   }
 }
 

@@ -25,14 +25,20 @@ interface Entry {
   /** The stored response; its body is empty while the body is kept as `text`. */
   response: StoredResponse
   /**
-   * The body as the string the handler sent, until the entry is first read (`responseOf`), which
-   * makes its bytes: a first request makes no Buffer (SynchronousSteps' `text`). `null` once
-   * made, or for a body given as bytes.
+   * The body as a string until the entry is first read (`responseOf`), which makes its bytes: the
+   * string the handler sent (SynchronousSteps' `text`, `binary` false), or a body given as bytes
+   * kept one character per byte (`binary` true). A first request makes no Buffer, and an entry
+   * holds no memory outside V8's heap, which the collector tracks one ArrayBuffer at a time.
+   * `null` once made.
    */
   text: string | null
+  binary: boolean
   storedAt: number
   expiresAt: number
 }
+
+/** The body of a stored response whose bytes are not made yet (responseOf makes them). */
+const EMPTY_BODY = Buffer.alloc(0)
 
 /** Rough per-entry bookkeeping cost, so thousands of empty bodies still count against `maxBytes`. */
 const ENTRY_OVERHEAD_BYTES = 256
@@ -56,8 +62,9 @@ const OLDEST_CHECKED = 32
 function responseOf (entry: Entry): StoredResponse {
   const { text } = entry
   if (text !== null) {
-    const body = Buffer.allocUnsafeSlow(Buffer.byteLength(text))
-    body.write(text)
+    const encoding = entry.binary ? 'latin1' : 'utf8'
+    const body = Buffer.allocUnsafeSlow(entry.binary ? text.length : Buffer.byteLength(text))
+    body.write(text, encoding)
     entry.response.body = body
     entry.text = null
   }
@@ -65,7 +72,8 @@ function responseOf (entry: Entry): StoredResponse {
 }
 
 function entrySize (key: string, entry: Entry): number {
-  // A body kept as text counts its length in UTF-16 units: its bytes for ASCII, fewer otherwise.
+  // A body kept as text counts its length in UTF-16 units: its bytes for ASCII and for a binary
+  // one, fewer otherwise.
   let size = ENTRY_OVERHEAD_BYTES + key.length + entry.fingerprint.length + (entry.text === null ? entry.response.body.length : entry.text.length)
   for (const name in entry.response.headers) {
     const value = entry.response.headers[name]!
@@ -178,19 +186,17 @@ export class MemoryStorage implements IdempotencyStorage {
     const lease = this.#heldLease(key, token, now)
     if (lease === undefined) return false
     this.#leases.delete(key)
-    // A body given as bytes is copied, exactly its size: the caller may change its Buffer
-    // afterwards, and a small one is usually a slice of Node's shared 8 KiB pool, whose whole slab
-    // the slice would keep alive, unseen by `maxBytes`. A body given as text is kept as the string.
-    let body = response.body
-    if (text === undefined) {
-      body = Buffer.allocUnsafeSlow(response.body.length)
-      response.body.copy(body)
-    }
+    // A body given as bytes is copied (the caller may change its Buffer afterwards, and a small one
+    // is usually a slice of Node's shared 8 KiB pool, whose whole slab the slice would keep alive,
+    // unseen by `maxBytes`), into a string of one character per byte, on V8's heap: a sealed
+    // envelope, say. A body given as text is kept as the string.
+    const binary = text === undefined
+    const kept = binary ? response.body.toString('latin1') : text
     // Built field by field: a spread of the caller's object costs more, on every first request.
-    const stored: StoredResponse = { statusCode: response.statusCode, contentType: response.contentType, headers: response.headers, body }
+    const stored: StoredResponse = { statusCode: response.statusCode, contentType: response.contentType, headers: response.headers, body: EMPTY_BODY }
     if (response.bodyOmitted !== undefined) stored.bodyOmitted = response.bodyOmitted
     const expiresAt = now + ttl
-    this.#entries.set(key, { fingerprint: lease.fingerprint, response: stored, text: text ?? null, storedAt: now, expiresAt })
+    this.#entries.set(key, { fingerprint: lease.fingerprint, response: stored, text: kept, binary, storedAt: now, expiresAt })
     if (expiresAt < this.#oldestLookAt) this.#oldestLookAt = expiresAt
     this.#notify(key)
     if (++this.#writesSinceSweep >= Math.max(SWEEP_MIN_WRITES, SWEEP_WRITES_PER_ENTRY * this.#entries.size)) this.#sweep()
