@@ -316,7 +316,9 @@ class AssociatedData {
     const text = `${statusCode}\n${storageKey}`
     if (text.length * 2 > AssociatedData.#SCRATCH) return Buffer.from(text, 'utf16le')
     const length = this.#scratch.write(text, 'utf16le')
-    return this.#views[length] ??= this.#scratch.subarray(0, length)
+    let view = this.#views[length]
+    if (view === undefined) this.#views[length] = view = this.#scratch.subarray(0, length)
+    return view
   }
 }
 
