@@ -26,7 +26,7 @@ export interface Sodium {
  * first request in all (bench/analysis.md). The plugin's buffers have fixed sizes, checked once,
  * and the self-test below proves the binding computes what node:crypto computes before it is used.
  */
-interface SodiumBinding {
+export interface SodiumBinding {
   crypto_hash_sha256_STATEBYTES: number
   crypto_hash_sha256_init: (state: Buffer) => number
   crypto_hash_sha256_update: (state: Buffer, input: Buffer) => number
@@ -44,12 +44,21 @@ let loaded: Sodium | null | undefined
 export function loadSodium (): Sodium | null {
   if (loaded !== undefined) return loaded
   try {
-    const sodium = wrap(createRequire(import.meta.url)('sodium-native/binding.js') as SodiumBinding)
-    loaded = agreesWithNode(sodium) ? sodium : null
+    loaded = sodiumOf(createRequire(import.meta.url)('sodium-native/binding.js') as SodiumBinding)
   } catch {
     loaded = null
   }
   return loaded
+}
+
+/** The functions of `binding`, or `null` when they do not answer what node:crypto answers (or throw). */
+export function sodiumOf (binding: SodiumBinding): Sodium | null {
+  try {
+    const sodium = wrap(binding)
+    return agreesWithNode(sodium) ? sodium : null
+  } catch {
+    return null
+  }
 }
 
 function wrap (binding: SodiumBinding): Sodium {
