@@ -18,8 +18,9 @@
  */
 import { createHmac, createSecretKey, randomFillSync } from 'node:crypto'
 import { LRUCache } from 'lru-cache'
-import { ALGORITHMS, HEADER_BYTES, KEY_ID_BYTES, NONCE_AT, NONCE_BYTES, openFrom, sealInto, type Algorithm, type CipherKey, type EnvelopeVersion } from './sealing/aead.js'
+import { ALGORITHMS, HEADER_BYTES, isEnvelopeVersion, KEY_ID_BYTES, NONCE_AT, NONCE_BYTES, openFrom, sealInto, type Algorithm, type CipherKey, type EnvelopeVersion } from './sealing/aead.js'
 import { keyedHash, type KeyedHash } from './sealing/keyed-hash.js'
+import { Utf16Scratch } from './sealing/scratch.js'
 import { loadSodium, type Sodium } from './sealing/sodium.js'
 import type { StoredResponse } from './storage/types.js'
 import { UnreadableEntryError } from './storage/unreadable-entry.js'
@@ -93,7 +94,7 @@ export class ResponseCipher {
   readonly #keyedHash: KeyedHash
   readonly #ivs = new IvPool()
   /** Keyed hashes of recent storage keys (see hashKey). */
-  readonly #hashedKeys = new RecentHashes()
+  readonly #hashedKeys = new LRUCache<string, string>({ max: HASHED_KEYS_KEPT })
   /** The entries opened last, by storage key (see open). */
   readonly #opened = new LRUCache<string, OpenedEntry>({ max: OPENED_ENTRIES_KEPT })
   /** The meta JSON of a response with no header, by content type (see #metaJson). */
@@ -197,7 +198,7 @@ export class ResponseCipher {
   #decrypt (storageKey: string, entry: StoredResponse): StoredResponse {
     const body = entry.body
     const version = body[0]
-    if (body.length < HEADER_BYTES || (version !== 1 && version !== 2)) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
+    if (body.length < HEADER_BYTES || !isEnvelopeVersion(version)) throw new UnreadableEntryError('the entry is not a sealed envelope of a known version')
     const key = this.#openingKey(body)
     if (key === undefined) throw new UnreadableEntryError('the entry was sealed with a key that is no longer configured')
     let plain: Buffer
@@ -227,27 +228,6 @@ const ENCRYPTION_OPTIONS = new Set(['keys', 'keyHashSecret', 'algorithm'])
 /** Most keyed hashes kept by hashKey: at most about 1 MiB of keys with their hashes. */
 const HASHED_KEYS_KEPT = 4096
 
-/**
- * The keyed hashes of the keys seen last: at least the last HASHED_KEYS_KEPT, at most twice as
- * many. Two generations of Maps, the older dropped whole when the newer is full: a first request
- * adds its key at the cost of a Map insertion, where an LRU list costs several times that.
- */
-class RecentHashes {
-  #current = new Map<string, string>()
-  #previous = new Map<string, string>()
-
-  get (composed: string): string | undefined {
-    return this.#current.get(composed) ?? this.#previous.get(composed)
-  }
-
-  set (composed: string, hashed: string): void {
-    if (this.#current.size === HASHED_KEYS_KEPT) {
-      this.#previous = this.#current
-      this.#current = new Map()
-    }
-    this.#current.set(composed, hashed)
-  }
-}
 /** Most entries kept opened, and the largest envelope kept: at most 4 MiB of envelopes and as much plaintext. */
 const OPENED_ENTRIES_KEPT = 128
 const OPENED_ENVELOPE_MAX_BYTES = 16 * 1024
@@ -307,18 +287,10 @@ function keyId (key: Buffer): Buffer {
  * nothing of it.
  */
 class AssociatedData {
-  static readonly #SCRATCH = 2048
-  readonly #scratch = Buffer.allocUnsafeSlow(AssociatedData.#SCRATCH)
-  /** Views of the scratch by length, made once each: storage keys that are keyed hashes have one length. */
-  readonly #views: Buffer[] = []
+  readonly #scratch = new Utf16Scratch(2048)
 
   of (storageKey: string, statusCode: number): Buffer {
-    const text = `${statusCode}\n${storageKey}`
-    if (text.length * 2 > AssociatedData.#SCRATCH) return Buffer.from(text, 'utf16le')
-    const length = this.#scratch.write(text, 'utf16le')
-    let view = this.#views[length]
-    if (view === undefined) this.#views[length] = view = this.#scratch.subarray(0, length)
-    return view
+    return this.#scratch.bytes(`${statusCode}\n${storageKey}`)
   }
 }
 

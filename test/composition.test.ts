@@ -590,17 +590,36 @@ describe('an onSend hook after the plugin\'s that never hands the response on', 
   }
 })
 
+/**
+ * An `onSend` hook that an `onRoute` hook appends to every route, after the plugin's: it fails
+ * every answer (a signing service down) until `recover()`.
+ */
+function failingSigner (app: FastifyInstance): { recover: () => void } {
+  let failing = true
+  app.addHook('onRoute', (route) => {
+    route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
+      if (failing) done(new Error('signing service down'))
+      else done(null, payload)
+    }]
+  })
+  return { recover: () => { failing = false } }
+}
+
+/** Past the lease (500 ms), once the signer recovers, the retry of `key` replays 201 and the handler ran once. */
+async function expectReplayOnceRecovered (signer: { recover: () => void }, url: string, key: string, path: string): Promise<void> {
+  await new Promise((resolve) => setTimeout(resolve, 500))
+  signer.recover()
+  const retry = await json()(url, key, 'A1')
+  expect(ran(path)).toBe(1)
+  expect(retry.replayed, retry.body).toBe(true)
+  expect(retry.status).toBe(201)
+}
+
 describe('an onSend hook after the plugin\'s that fails every time, on an answer with a trailer', () => {
   it('the handler ran once, and its answer is kept for the retry, without the trailer Fastify never asked for', async () => {
     const app = newApp()
     await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
-    let failing = true
-    app.addHook('onRoute', (route) => {
-      route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
-        if (failing) done(new Error('signing service down'))
-        else done(null, payload)
-      }]
-    })
+    const signer = failingSigner(app)
     const path = '/later-onsend/trailer'
     app.post(path, { config: { idempotency: true } }, async (request, reply) => {
       reply.trailer('x-checksum', async () => 'sum')
@@ -609,12 +628,7 @@ describe('an onSend hook after the plugin\'s that fails every time, on an answer
     const url = `${await listen(app)}${path}`
     const key = newKey()
     expect((await json()(url, key, 'A1')).status).toBe(500)
-    await new Promise((resolve) => setTimeout(resolve, 500))
-    failing = false
-    const retry = await json()(url, key, 'A1')
-    expect(ran(path)).toBe(1)
-    expect(retry.replayed, retry.body).toBe(true)
-    expect(retry.status).toBe(201)
+    await expectReplayOnceRecovered(signer, url, key, path)
   })
 })
 
@@ -623,13 +637,7 @@ describe('an onSend hook after the plugin\'s that fails every time, for a reques
     it(`the handler ran once, and its answer is kept for the retry${trailer ? ' (an answer with a trailer)' : ''}`, async () => {
       const app = newApp()
       await withPlugin(app, { lockTimeout: 100, maxLockHold: 200 })
-      let failing = true
-      app.addHook('onRoute', (route) => {
-        route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
-          if (failing) done(new Error('signing service down'))
-          else done(null, payload)
-        }]
-      })
+      const signer = failingSigner(app)
       const path = `/later-onsend/client-left/${trailer ? 'trailer' : 'plain'}`
       const gate = new Gate()
       app.post(path, {
@@ -650,13 +658,7 @@ describe('an onSend hook after the plugin\'s that fails every time, for a reques
       await new Promise((resolve) => setTimeout(resolve, 50))
       gate.open()
       await vi.waitFor(() => { expect(ran(path)).toBe(1) })
-      // Past the lease.
-      await new Promise((resolve) => setTimeout(resolve, 500))
-      failing = false
-      const retry = await json()(url, key, 'A1')
-      expect(ran(path)).toBe(1)
-      expect(retry.replayed, retry.body).toBe(true)
-      expect(retry.status).toBe(201)
+      await expectReplayOnceRecovered(signer, url, key, path)
     })
   }
 })
@@ -675,13 +677,7 @@ for (const store of sqlStores) {
       try {
         const app = newApp()
         await withPlugin(app, { storage, transaction: true, lockTimeout: 200, maxLockHold: 400 })
-        let failing = true
-        app.addHook('onRoute', (route) => {
-          route.onSend = [...hookList(route, 'onSend') as never[], (_request: FastifyRequest, _reply: FastifyReply, payload: unknown, done: (error: Error | null, payload?: unknown) => void): void => {
-            if (failing) done(new Error('signing service down'))
-            else done(null, payload)
-          }]
-        })
+        const signer = failingSigner(app)
         const path = `/later-onsend/transaction/${store.name}`
         app.post(path, { config: { idempotency: true } }, async (request, reply) => {
           runs.set(path, ran(path) + 1)
@@ -707,7 +703,7 @@ for (const store of sqlStores) {
         const committed = await knex(table).count({ n: '*' })
         expect(Number(committed[0]!.n)).toBe(3)
         await new Promise((resolve) => setTimeout(resolve, 600))
-        failing = false
+        signer.recover()
         const retry = await send(keys[0]!)
         expect(retry.replayed, retry.body).toBe(true)
         expect(retry.status).toBe(201)

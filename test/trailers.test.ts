@@ -35,6 +35,15 @@ async function post (url: string, path: string, key?: string): Promise<Answer> {
   })
 }
 
+/** The POST retried until it is answered 201 (the first one's answer is being kept meanwhile). */
+async function answeredOnce (url: string, path: string, key: string): Promise<Answer> {
+  return await vi.waitFor(async () => {
+    const answer = await post(url, path, key)
+    expect(answer.status).toBe(201)
+    return answer
+  })
+}
+
 /** Each computation of a trailer gives a new value: a replay must carry the first one's. */
 let computed = 0
 let ran = 0
@@ -255,11 +264,7 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
     const key = newKey()
     const before = runs
     await expect(post(url, '/throwing', key)).rejects.toThrow()
-    const retry = await vi.waitFor(async () => {
-      const answer = await post(url, '/throwing', key)
-      expect(answer.status).toBe(201)
-      return answer
-    })
+    const retry = await answeredOnce(url, '/throwing', key)
     expect(runs).toBe(before + 1)
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.body).toBe('thrown')
@@ -338,11 +343,7 @@ describe('trailers that fail, that are taken away, that a retry sets itself, of 
       setTimeout(() => { reject(new Error('no first chunk')) }, 5000).unref()
     })
     release()
-    const retry = await vi.waitFor(async () => {
-      const answer = await post(url, '/stream', key)
-      expect(answer.status).toBe(201)
-      return answer
-    })
+    const retry = await answeredOnce(url, '/stream', key)
     expect(runs).toBe(before + 1)
     expect(retry.headers['idempotent-replayed']).toBe('true')
     expect(retry.body).toBe('first\nrest\n')

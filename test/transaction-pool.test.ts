@@ -8,7 +8,7 @@
  */
 import { afterAll, describe, expect, it } from 'vitest'
 import knexFactory, { type Knex } from 'knex'
-import Fastify from 'fastify'
+import Fastify, { type FastifyInstance } from 'fastify'
 import idempotency, { idempotencyErrorHandler } from '../lib/index.js'
 import { KnexStorage, dropIdempotencyTable, transactionOf } from '../lib/knex.js'
 import { MARIADB, POSTGRES, mysqlConnection, pgConnection, service, type Availability } from './helpers/services.js'
@@ -28,19 +28,23 @@ const databases: Array<{ name: string, availability: Availability, config: Knex.
   { name: 'MariaDB', availability: await service(MARIADB), config: { client: 'mysql2', connection: mysqlConnection } }
 ]
 
+/** A knex of the database's config, an app, the names of the idempotency and orders tables, the runs per key; all dropped after the file's describe. */
+function fixture (config: Knex.Config, table: string): { knex: Knex, table: string, orders: string, runs: Map<string, number>, app: FastifyInstance } {
+  const knex = knexFactory(config)
+  const orders = `${table}_orders`
+  const app = Fastify()
+  afterAll(async () => {
+    await app.close()
+    await knex.schema.dropTableIfExists(orders)
+    await dropIdempotencyTable(knex, table)
+    await knex.destroy()
+  })
+  return { knex, table, orders, runs: new Map(), app }
+}
+
 for (const [index, database] of databases.entries()) {
   describe.skipIf(!database.availability.available)(`transaction mode with steps on ${database.name}, knex's default pool${database.availability.reason}`, () => {
-    const knex = knexFactory(database.config)
-    const table = `trx_pool_${stamp}_${index}`
-    const orders = `${table}_orders`
-    const runs = new Map<string, number>()
-    const app = Fastify()
-    afterAll(async () => {
-      await app.close()
-      await knex.schema.dropTableIfExists(orders)
-      await dropIdempotencyTable(knex, table)
-      await knex.destroy()
-    })
+    const { knex, table, orders, runs, app } = fixture(database.config, `trx_pool_${stamp}_${index}`)
 
     const ready = (async () => {
       expect((knex.client as { pool: { max: number } }).pool.max).toBe(POOL)
@@ -85,17 +89,7 @@ for (const [index, database] of databases.entries()) {
 // the handler, the first request ran it too once its turn came, and was rolled back (503).
 for (const [index, database] of databases.entries()) {
   describe.skipIf(!database.availability.available)(`transaction mode on ${database.name}, more requests than transactions at once${database.availability.reason}`, () => {
-    const knex = knexFactory(database.config)
-    const table = `trx_pool_wait_${stamp}_${index}`
-    const orders = `${table}_orders`
-    const runs = new Map<string, number>()
-    const app = Fastify()
-    afterAll(async () => {
-      await app.close()
-      await knex.schema.dropTableIfExists(orders)
-      await dropIdempotencyTable(knex, table)
-      await knex.destroy()
-    })
+    const { knex, table, orders, runs, app } = fixture(database.config, `trx_pool_wait_${stamp}_${index}`)
 
     it('keeps the lease of a request waiting for a transaction: 40 at once, a duplicate of each of the last 5 sent while it waits gets 409, each handler runs once', async () => {
       await knex.schema.createTable(orders, (t) => { t.increments('id'); t.string('idem_key', 100) })

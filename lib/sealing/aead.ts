@@ -21,6 +21,11 @@ export type EnvelopeVersion = 1 | 2
 export const ALGORITHMS = { 'aes-256-gcm': 1, 'chacha20-poly1305': 2 } as const
 export type Algorithm = keyof typeof ALGORITHMS
 
+/** Whether an envelope's first byte is a version this code opens. */
+export function isEnvelopeVersion (byte: number | undefined): byte is EnvelopeVersion {
+  return byte === ALGORITHMS['aes-256-gcm'] || byte === ALGORITHMS['chacha20-poly1305']
+}
+
 export const KEY_ID_BYTES = 8
 export const NONCE_BYTES = 12
 export const TAG_BYTES = 16
@@ -34,7 +39,8 @@ export interface CipherKey {
   object: KeyObject
 }
 
-const NODE_NAMES = { 1: 'aes-256-gcm', 2: 'chacha20-poly1305' } as const
+/** node:crypto's name of each version's cipher: the option's own names are node:crypto's. */
+const NODE_NAMES = Object.fromEntries(Object.entries(ALGORITHMS).map(([name, version]) => [version, name])) as Record<EnvelopeVersion, Algorithm>
 const TAG_OPTIONS = { authTagLength: TAG_BYTES }
 
 /** Where libsodium writes a tag before it is copied into the envelope (sealing is synchronous). */

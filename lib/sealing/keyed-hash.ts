@@ -8,6 +8,7 @@
  * without a native HMAC context per call (createHmac's costs more than both hashes).
  */
 import { hash } from 'node:crypto'
+import { Utf16Scratch } from './scratch.js'
 import type { Sodium } from './sodium.js'
 
 export interface KeyedHash {
@@ -74,9 +75,7 @@ class SodiumKeyedHash implements KeyedHash {
   readonly #outerState: Buffer
   /** The state being worked on: a copy of one of the two above. */
   readonly #state: Buffer
-  readonly #message = Buffer.alloc(SCRATCH)
-  /** Views of #message by length, made once each: keys of a service mostly have one or two lengths. */
-  readonly #messageViews: Buffer[] = []
+  readonly #message = new Utf16Scratch(SCRATCH)
   readonly #innerDigest = Buffer.alloc(DIGEST)
   readonly #digest = Buffer.alloc(DIGEST)
 
@@ -95,13 +94,7 @@ class SodiumKeyedHash implements KeyedHash {
   digest (text: string): string {
     const sodium = this.#sodium
     const state = this.#state
-    let message: Buffer
-    if (text.length * 2 <= SCRATCH) {
-      const length = this.#message.write(text, 'utf16le')
-      message = this.#messageViews[length] ??= this.#message.subarray(0, length)
-    } else {
-      message = Buffer.from(text, 'utf16le')
-    }
+    const message = this.#message.bytes(text)
     // TypedArray set, not Buffer copy: no call into Node's binding for 104 bytes.
     state.set(this.#innerState)
     sodium.sha256Update(state, message)
